@@ -1,0 +1,168 @@
+"""Representation and optimisation diagnostics shared by the notebooks.
+
+- tau-dormant neurons (Sokar et al. 2023, "The Dormant Neuron Phenomenon in Deep RL", eq. 1)
+- effective rank: srank (Kumar et al. 2021) and the entropy form (Roy & Vetterli 2007)
+- norm / mean trackers over training
+- singular-component ablation of a weight matrix, with an equal-norm random control
+- Hutchinson estimate of the Hessian trace (Hutchinson 1989; as in PyHessian)
+
+All functions take torch tensors (numpy arrays where noted) and never train anything.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+
+# -- dormant neurons ---------------------------------------------------------------------------
+def dormant_scores(activations: torch.Tensor) -> torch.Tensor:
+    """Per-unit score s_i = E_x|h_i(x)| / ((1/H) sum_k E_x|h_k(x)|)  (Sokar et al. 2023, eq. 1).
+
+    ``activations`` is (batch, units) or (batch, units, *spatial); spatial positions are averaged
+    like the batch (as in dopamine's ``redo/weight_recyclers.py``). The denominator gets +1e-9.
+    """
+    a = activations.detach().abs().float()
+    if a.dim() > 2:
+        a = a.transpose(0, 1).reshape(a.shape[1], -1).T    # (batch*spatial, units)
+    per_unit = a.mean(dim=0)
+    return per_unit / (per_unit.mean() + 1e-9)
+
+
+def dormant_fraction(activations: torch.Tensor, tau: float = 0.0) -> float:
+    """Fraction of units whose score is <= tau. tau=0 counts exactly-dead units (dopamine's
+    default); 0.025 or 0.1 are the usual non-zero choices (timoklein/redo)."""
+    return float((dormant_scores(activations) <= tau).float().mean())
+
+
+def saturated_fraction(activations: torch.Tensor, mean_thresh: float = 0.95,
+                       std_thresh: float = 0.05) -> float:
+    """Fraction of tanh units that act as a constant: |mean| >= mean_thresh and std <= std_thresh
+    across inputs (their outgoing weights then add a fixed bias downstream)."""
+    a = activations.detach().float()
+    a = a.reshape(a.shape[0], a.shape[1], -1).transpose(1, 2).reshape(-1, a.shape[1]) \
+        if a.dim() > 2 else a
+    m, s = a.mean(0), a.std(0)
+    return float(((m.abs() >= mean_thresh) & (s <= std_thresh)).float().mean())
+
+
+# -- effective rank ----------------------------------------------------------------------------
+def singular_values(x) -> torch.Tensor:
+    """Singular values of a 2-D matrix (torch or numpy), in float64, descending."""
+    x = torch.as_tensor(x).detach().double()
+    if x.dim() != 2:
+        raise ValueError(f"need a 2-D matrix, got shape {tuple(x.shape)}")
+    return torch.linalg.svdvals(x)
+
+
+def srank(x, delta: float = 0.01, *, is_sv: bool = False) -> int:
+    """srank_delta = min{k : sum_{i<=k} sigma_i >= (1 - delta) sum_i sigma_i}
+    (Kumar et al. 2021, "Implicit Under-Parameterization", sec. 3; delta = 0.01).
+
+    ``x`` is a feature matrix (samples x units) or, with ``is_sv=True``, its singular values.
+    """
+    sv = torch.as_tensor(x, dtype=torch.float64) if is_sv else singular_values(x)
+    sv = torch.sort(sv.abs(), descending=True).values
+    total = sv.sum()
+    if total <= 0:
+        return 0
+    cum = torch.cumsum(sv, 0) / total
+    # a small tolerance keeps exactly-reached thresholds (e.g. a flat spectrum) from rounding up
+    return int(torch.searchsorted(cum, torch.tensor(1 - delta - 1e-12, dtype=cum.dtype)).item()) + 1
+
+
+def erank(x, *, is_sv: bool = False) -> float:
+    """Entropy effective rank exp(H(p)), p_i = sigma_i / sum_j sigma_j (Roy & Vetterli 2007, eq. 2).
+
+    Unlike srank it weighs a long flat tail of small singular values, so the two can differ a lot.
+    """
+    sv = torch.as_tensor(x, dtype=torch.float64).abs() if is_sv else singular_values(x)
+    total = sv.sum()
+    if total <= 0:
+        return 0.0
+    p = sv / total
+    p = p[p > 0]
+    return float(torch.exp(-(p * p.log()).sum()))
+
+
+# -- norm and mean tracking --------------------------------------------------------------------
+def global_norm(tensors) -> float:
+    """sqrt(sum of squared entries) over parameters or tensors."""
+    return float(torch.sqrt(sum((t.detach().double() ** 2).sum() for t in tensors)))
+
+
+class Tracker:
+    """Collects scalar series over training: ``tr.log(step, loss=..., norm=...)``, then
+    ``tr.frame()`` for a pandas table or ``tr[name]`` for a numpy array."""
+
+    def __init__(self):
+        self.steps: list[int] = []
+        self.series: dict[str, list[float]] = defaultdict(list)
+
+    def log(self, step: int, **values) -> None:
+        self.steps.append(int(step))
+        for k, v in values.items():
+            self.series[k].append(float(v))
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return np.asarray(self.series[name])
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.series
+
+    def frame(self):
+        import pandas as pd
+        return pd.DataFrame({"step": self.steps, **self.series})
+
+
+def growth_rate(steps, values) -> tuple[float, float]:
+    """Fit log(values) = a + r * step by least squares; return (r, R^2). Exponential growth is a
+    straight line on a log axis, so r > 0 with R^2 near 1 means exponential growth."""
+    s, v = np.asarray(steps, float), np.asarray(values, float)
+    keep = np.isfinite(v) & (v > 0)
+    s, y = s[keep], np.log(v[keep])
+    if len(s) < 3:
+        return float("nan"), float("nan")
+    r, a = np.polyfit(s, y, 1)
+    resid = y - (a + r * s)
+    ss = ((y - y.mean()) ** 2).sum()
+    return float(r), float(1 - (resid ** 2).sum() / ss) if ss > 0 else float("nan")
+
+
+# -- singular-component ablation ---------------------------------------------------------------
+def ablate_singular(w: torch.Tensor, k=0) -> torch.Tensor:
+    """W minus its k-th singular component(s): W - sum_k s_k u_k v_k^T (k an int or a list)."""
+    u, s, vh = torch.linalg.svd(w.detach(), full_matrices=False)
+    ks = [k] if isinstance(k, int) else list(k)
+    removed = sum(s[i] * torch.outer(u[:, i], vh[i]) for i in ks)
+    return w.detach() - removed
+
+
+def ablate_random(w: torch.Tensor, k=0, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Control for :func:`ablate_singular`: subtract a random rank-one matrix with the same
+    Frobenius norm as the removed component(s) (s_k), direction u, v uniform on the sphere."""
+    s = torch.linalg.svdvals(w.detach())
+    ks = [k] if isinstance(k, int) else list(k)
+    out = w.detach().clone()
+    for i in ks:
+        u = torch.randn(w.shape[0], generator=generator, dtype=w.dtype)
+        v = torch.randn(w.shape[1], generator=generator, dtype=w.dtype)
+        out = out - s[i] * torch.outer(u / u.norm(), v / v.norm())
+    return out
+
+
+# -- curvature ---------------------------------------------------------------------------------
+def hutchinson_trace(loss: torch.Tensor, params, n_samples: int = 8,
+                     generator: torch.Generator | None = None) -> float:
+    """tr(H) ~ mean_v v^T H v, v Rademacher, H v by double backprop (Hutchinson 1989; PyHessian
+    ``hessian.trace``). ``loss`` must have been computed with a graph through ``params``."""
+    params = [p for p in params if p.requires_grad]
+    grads = torch.autograd.grad(loss, params, create_graph=True)
+    est = 0.0
+    for _ in range(n_samples):
+        vs = [torch.randint(0, 2, p.shape, generator=generator, device=p.device).to(p.dtype) * 2 - 1
+              for p in params]
+        hv = torch.autograd.grad(grads, params, grad_outputs=vs, retain_graph=True)
+        est += float(sum((h * v).sum() for h, v in zip(hv, vs)))
+    return est / n_samples

@@ -1,0 +1,1 @@
+"""One module per paper: the method itself, small and readable. Nothing else imports these."""

@@ -1,0 +1,1 @@
+"""Small backbones shared by several notebooks."""
