@@ -1,0 +1,107 @@
+"""The batch runner end to end through papermill, on fixture notebooks and on notebook 12."""
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from workbench import batch, cli, report
+from workbench.notebooks import discover, resolve
+
+
+def test_unknown_parameter_fails_before_anything_runs(fixture_notebooks, tmp_path):
+    infos = discover(fixture_notebooks)
+    with pytest.raises(batch.ParameterError) as err:
+        batch.plan(infos[:1], tmp_path / "out", raw_params={"no_such": ["1"]})
+    msg = str(err.value)
+    assert "01-ok" in msg and "'no_such'" in msg and "x (int, default 1)" in msg
+    assert not (tmp_path / "out").exists()
+
+
+def test_wrong_type_and_reserved_names(fixture_notebooks, tmp_path):
+    ok = discover(fixture_notebooks)[:1]
+    with pytest.raises(batch.ParameterError, match=r"'x' expects int.*'abc'"):
+        batch.plan(ok, tmp_path, raw_params={"x": ["1", "abc"]})
+    with pytest.raises(batch.ParameterError, match="--seeds"):
+        batch.plan(ok, tmp_path, raw_params={"seed": ["1"]})
+
+
+def test_grid_and_seeds_make_one_job_each(fixture_notebooks, tmp_path):
+    ok = discover(fixture_notebooks)[:1]
+    jobs = batch.plan(ok, tmp_path, raw_params={"x": batch.split_values("1,-1")}, seeds=[0, 1])
+    assert [(j.params["x"], j.seed) for j in jobs] == [(1, 0), (1, 1), (-1, 0), (-1, 1)]
+    assert len({j.out for j in jobs}) == 4
+
+
+def test_batch_keeps_going_past_failures_and_reports(fixture_notebooks, tmp_path):
+    infos = {i.slug: i for i in discover(fixture_notebooks)}
+    out = tmp_path / "out"
+    jobs = batch.plan([infos["01-ok"]], out, raw_params={"x": ["1", "-1"]}, seeds=[0, 1])
+    jobs += batch.plan([infos["02-raises"]], out)
+    jobs += batch.plan([infos["03-slow"]], out)
+    results = batch.run_batch(jobs, n_jobs=2, timeout=25, show_progress=False)
+    status = {(r.job.slug, r.job.params.get("x"), r.job.seed): r.status for r in results}
+    assert status == {("01-ok", 1, 0): "ok", ("01-ok", 1, 1): "ok", ("01-ok", -1, 0): "ok",
+                      ("01-ok", -1, 1): "ok", ("02-raises", None, 0): "failed",
+                      ("03-slow", None, 0): "timeout"}
+    failed = next(r for r in results if r.job.slug == "02-raises")
+    assert "boom from the notebook" in failed.error
+    # every job leaves its log and job.json; the good ones their metrics and executed notebook
+    for r in results:
+        assert (Path(r.job.out) / "log.txt").exists() and (Path(r.job.out) / "job.json").exists()
+    good = [r for r in results if r.status == "ok"]
+    for r in good:
+        m = json.loads((Path(r.job.out) / "metrics.json").read_text())
+        assert m["params"]["x"] == r.job.params["x"] and m["seed"] == r.job.seed
+    # a robust claim that fails is visible in the summary without failing the job
+    assert "robust claim(s) not holding: C1" in batch.summary_table(results)
+
+    index = report.build(out)
+    res = pd.read_csv(out / "results.csv")
+    assert len(res) == 6 and set(res["status"]) == {"ok", "failed", "timeout"}
+    agg = pd.read_csv(out / "aggregate.csv").set_index("params")
+    assert agg.loc["x=1", "n"] == 2 and agg.loc["x=1", "seeds"] == "0,1"
+    assert agg.loc["x=1", "x_plus_seed mean"] == pytest.approx(1.5)
+    assert agg.loc["x=-1", "claim:C1"] == "0/2" and agg.loc["x=1", "claim:C1"] == "2/2"
+    page = index.read_text()
+    assert "02-raises" in page and "boom from the notebook" in page and "executed notebook" in page
+
+    # --resume skips exactly the jobs that finished with the same parameters
+    again = batch.run_batch(jobs, n_jobs=2, timeout=25, resume=True, show_progress=False)
+    assert [r.status for r in again if r.job.slug == "01-ok"] == ["cached"] * 4
+    assert next(r for r in again if r.job.slug == "02-raises").status == "failed"
+
+
+def test_strict_batch_fails_a_job_whose_robust_claim_fails(fixture_notebooks, tmp_path):
+    ok = discover(fixture_notebooks)[:1]
+    jobs = batch.plan(ok, tmp_path, raw_params={"x": ["-1"]})
+    (r,) = batch.run_batch(jobs, n_jobs=1, timeout=60, strict=True, show_progress=False)
+    assert r.status == "failed" and "ClaimFailed" in r.error
+
+
+def test_cli_rejects_unknown_parameter_of_notebook_12(tmp_path, capsys):
+    out = tmp_path / "never"
+    rc = cli.main(["run", "12-nfi", "-p", "no_such_parameter", "1", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "12-nfi" in err and "no_such_parameter" in err and "Valid parameters:" in err
+    assert "seed" not in err.split("Valid parameters:")[1].split(",")[0]
+    assert not out.exists()
+
+
+def test_cli_unknown_notebook(capsys):
+    assert cli.main(["run", "99-nothing"]) == 2
+    assert "known notebooks" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_notebook_12_through_the_cli(tmp_path, capsys):
+    out = tmp_path / "run"
+    rc = cli.main(["run", "12-nfi", "--out", str(out), "--jobs", "1", "--timeout", "600"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    m = json.loads(next(out.rglob("metrics.json")).read_text())
+    assert m["notebook"] == "12-nfi" and m["claims"]
+    assert all(c["holds"] for c in m["claims"] if c["robust"])
+    assert (out / "index.html").exists() and (out / "results.csv").exists()
+    assert resolve("12").slug == "12-nfi"

@@ -1,0 +1,156 @@
+"""``workbench list | run | report | zoo``: the command line. Starts fast (no torch on import)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from . import notebooks as nbs
+from .runtime import SCALES, project_root
+
+
+def _last_result(slug: str) -> str:
+    """The newest metrics.json of this notebook under runs/: claims held, scale, seed, when."""
+    runs = project_root() / "runs"
+    best = None
+    for path in runs.rglob("metrics.json") if runs.is_dir() else []:
+        if path.parent.name == slug or f"/{slug}/" in path.as_posix():
+            if best is None or path.stat().st_mtime > best.stat().st_mtime:
+                best = path
+    if best is None:
+        return "never run"
+    m = json.loads(best.read_text())
+    claims = m.get("claims", [])
+    held = sum(c["holds"] for c in claims)
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(best.stat().st_mtime))
+    return f"{held}/{len(claims)} hold ({m.get('scale')}, seed {m.get('seed')}, {when})"
+
+
+def cmd_list(args) -> int:
+    infos = nbs.discover()
+    if not infos:
+        print(f"no notebooks found in {nbs.notebooks_dir()}")
+        return 1
+    rows = [("no", "slug", "title", "claims", "last result")]
+    for i in infos:
+        title = i.title if len(i.title) <= 60 else i.title[:57] + "..."
+        rows.append((i.number, i.slug, title, " ".join(i.claims) or "-", _last_result(i.slug)))
+    widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
+    for n, r in enumerate(rows):
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        if n == 0:
+            print("-" * (sum(widths) + 2 * (len(widths) - 1)))
+    return 0
+
+
+def cmd_run(args) -> int:
+    from . import batch, report
+    if not args.all and not args.notebooks:
+        print("name one or more notebooks (see `workbench list`) or pass --all", file=sys.stderr)
+        return 2
+    try:
+        infos = nbs.discover() if args.all else [nbs.resolve(n) for n in args.notebooks]
+        seeds = [int(s) for s in batch.split_values(args.seeds)]
+        raw: dict[str, list[str]] = {}
+        for name, value in args.param or []:
+            if name in raw:
+                raise batch.ParameterError(f"-p {name} given twice; use a comma list for a grid")
+            raw[name] = batch.split_values(value)
+        out = Path(args.out or project_root() / "runs" / time.strftime("%Y%m%d-%H%M%S"))
+        jobs = batch.plan(infos, out, scale=args.scale, raw_params=raw, seeds=seeds)
+    except (LookupError, batch.ParameterError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    n_jobs = args.jobs or os.cpu_count() or 1
+    print(f"{len(jobs)} job(s) over {len(infos)} notebook(s), {min(n_jobs, len(jobs))} at a time, "
+          f"timeout {args.timeout:g} s each -> {out}")
+    results = batch.run_batch(jobs, n_jobs=n_jobs, timeout=args.timeout, resume=args.resume,
+                              strict=args.strict)
+    print(batch.summary_table(results))
+    index = report.build(out)
+    print(f"report: {index}")
+    return 0 if all(r.passed for r in results) else 1
+
+
+def cmd_report(args) -> int:
+    from . import report
+    try:
+        index = report.build(Path(args.dir))
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"report: {index}\nresults: {index.parent / 'results.csv'}")
+    return 0
+
+
+def cmd_zoo(args) -> int:
+    try:
+        from .models import zoo
+    except ImportError as e:
+        print(f"error: the zoo needs its dependencies ({e}); reinstall the workbench", file=sys.stderr)
+        return 2
+    if args.action == "list":
+        print("recipes: " + ", ".join(sorted(zoo.RECIPES)))
+        for card in zoo.list_built():
+            print(json.dumps(card))
+        return 0
+    if args.action == "clear":
+        for path in zoo.clear(args.name):
+            print(f"removed {path}")
+        return 0
+    if not args.name:
+        print(f"error: name a recipe to build: {', '.join(sorted(zoo.RECIPES))}", file=sys.stderr)
+        return 2
+    if args.name not in zoo.RECIPES:
+        print(f"error: unknown recipe {args.name!r}; recipes: {', '.join(sorted(zoo.RECIPES))}",
+              file=sys.stderr)
+        return 2
+    card = zoo.build(args.name, args.scale, force=args.force)
+    print(json.dumps(card, indent=2))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="workbench", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("list", help="every notebook with its claims and last result")
+
+    r = sub.add_parser("run", help="execute notebooks through papermill, in parallel")
+    r.add_argument("notebooks", nargs="*", metavar="SLUG", help="e.g. 12-nfi (or its number)")
+    r.add_argument("--all", action="store_true", help="every notebook")
+    r.add_argument("--scale", choices=SCALES, default="smoke")
+    r.add_argument("-p", "--param", nargs=2, action="append", metavar=("NAME", "VALUE"),
+                   help="set a notebook parameter; a comma list (-p bits 4,3,2) makes a grid")
+    r.add_argument("--seeds", default="0", help="comma list of seeds, e.g. 0,1,2")
+    r.add_argument("--jobs", type=int, default=None, help="parallel jobs (default: cores)")
+    r.add_argument("--timeout", type=float, default=900, help="seconds per job")
+    r.add_argument("--out", default=None, help="run directory (default runs/<timestamp>)")
+    r.add_argument("--resume", action="store_true",
+                   help="skip jobs whose results exist for the same parameters")
+    r.add_argument("--strict", action="store_true",
+                   help="a robust claim that does not hold fails its job")
+
+    rep = sub.add_parser("report", help="results.csv, aggregate.csv and index.html of a run dir")
+    rep.add_argument("dir")
+
+    z = sub.add_parser("zoo", help="build, list or clear the shared pretrained backbones")
+    z.add_argument("action", choices=("build", "list", "clear"))
+    z.add_argument("name", nargs="?")
+    z.add_argument("--scale", choices=SCALES, default="smoke")
+    z.add_argument("--force", action="store_true", help="rebuild even when cached")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    handler = {"list": cmd_list, "run": cmd_run, "report": cmd_report, "zoo": cmd_zoo}
+    return handler[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,289 @@
+"""The task registry: seeded generators of verifiable text tasks and their exact verifiers.
+
+Each family is a :class:`Family` with ``generate(n, seed, difficulty) -> list[Example]`` and
+``score(example, completion) -> float`` (1.0 when the final answer matches exactly, else 0.0), so a
+verifier doubles as an RL reward. Tasks are the "domains" of LoRA pools, the "task stream" of
+continual learning, the reward of RLVR and the traces of data curation (ZOO.md).
+
+Rendering. A prompt ends with its operator (``=``, ``->``, ``?``); the completion is either the
+bare answer (``"68"``) or, with chain-of-thought, the steps joined by ``" ; "`` followed by
+``" => "`` and the answer (``"8+5=13 c1 ; 2+4+1=7 => 73"``). The verifier reads the first line of a
+completion and takes what follows the last ``=>`` (or the whole line when there is none).
+
+Shared surface forms (so routing and forgetting are real):
+- ``reverse``, ``sort``, ``rotate``, ``dedupe`` and ``swap`` all read ``"s t r i n g ->"``: only the
+  rule differs;
+- ``add`` and ``addmod`` (the sum modulo 10 per digit, no carries) both read ``"23+49="``;
+- ``pattern`` and ``pattern_skip`` both read ``"a b c a b c a ->"``.
+
+Characters in string tasks (inputs and answers) are space-separated so that a byte-level BPE
+sees one token per symbol. Nothing here imports torch.
+"""
+from __future__ import annotations
+
+import random
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+ANSWER_MARK = "=>"
+STEP_SEP = " ; "
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+@dataclass
+class Example:
+    """One task instance: ``prompt`` + completion, where the completion carries ``target``."""
+    family: str
+    prompt: str
+    target: str
+    difficulty: int
+    steps: list[str] | None = None
+    metadata: dict = field(default_factory=dict)
+
+    def completion(self, with_steps: bool = False) -> str:
+        """The reference completion: the answer, or the steps then ``=> answer``."""
+        if with_steps and self.steps:
+            return " " + STEP_SEP.join(self.steps) + f" {ANSWER_MARK} " + self.target
+        return " " + self.target
+
+    def text(self, with_steps: bool = False) -> str:
+        """Prompt and reference completion as one line (what a model is trained on)."""
+        return self.prompt + self.completion(with_steps)
+
+
+def final_answer(completion: str) -> str:
+    """The answer a completion commits to: first line, after the last ``=>``, stripped."""
+    line = completion.strip().split("\n")[0]
+    if ANSWER_MARK in line:
+        line = line.rsplit(ANSWER_MARK, 1)[1]
+    return line.strip()
+
+
+def exact_match(example: Example, completion: str) -> float:
+    """1.0 when the final answer equals the target exactly, else 0.0 (an RL reward)."""
+    return float(final_answer(completion) == example.target)
+
+
+@dataclass
+class Family:
+    """A task family: a seeded generator of one example and an exact verifier."""
+    name: str
+    description: str
+    surface: str                          # families with equal surface look alike
+    make: Callable[[random.Random, int], Example]
+    difficulties: tuple[int, ...]         # the sensible range of ``difficulty``
+    has_steps: bool = False
+    scorer: Callable[[Example, str], float] = exact_match
+
+    def generate(self, n: int, seed: int = 0, difficulty: int | None = None) -> list[Example]:
+        """``n`` examples, the same for the same (family, seed, difficulty) on every machine.
+
+        ``difficulty=None`` draws each example's difficulty uniformly from ``difficulties``.
+        """
+        key = f"{self.name}:{seed}:{difficulty}".encode()
+        rng = random.Random(zlib.crc32(key))
+        out = []
+        for _ in range(n):
+            d = difficulty if difficulty is not None else rng.choice(self.difficulties)
+            out.append(self.make(rng, int(d)))
+        return out
+
+    def score(self, example: Example, completion: str) -> float:
+        return self.scorer(example, completion)
+
+
+# -- arithmetic -------------------------------------------------------------------------------
+
+def _num(rng: random.Random, digits: int) -> int:
+    return rng.randint(10 ** (digits - 1) if digits > 1 else 0, 10 ** digits - 1)
+
+
+def _add_steps(a: int, b: int) -> list[str]:
+    """Column addition from the right: ``da+db+carry=s cC`` per column."""
+    sa, sb = str(a)[::-1], str(b)[::-1]
+    steps, carry = [], 0
+    for i in range(max(len(sa), len(sb))):
+        da = int(sa[i]) if i < len(sa) else 0
+        db = int(sb[i]) if i < len(sb) else 0
+        s = da + db + carry
+        steps.append(f"{da}+{db}+{carry}={s} c{s // 10}")
+        carry = s // 10
+    return steps
+
+
+def _make_add(rng, d):
+    a, b = _num(rng, d), _num(rng, d)
+    return Example("add", f"{a}+{b}=", str(a + b), d, _add_steps(a, b), {"a": a, "b": b})
+
+
+def _make_addmod(rng, d):
+    a, b = _num(rng, d), _num(rng, d)
+    sa, sb = str(a).zfill(d), str(b).zfill(d)
+    digits = [(int(x) + int(y)) % 10 for x, y in zip(sa, sb)]
+    steps = [f"{x}+{y}={z}" for x, y, z in zip(sa, sb, digits)]
+    return Example("addmod", f"{a}+{b}=", "".join(map(str, digits)), d, steps, {"a": a, "b": b})
+
+
+def _make_sub(rng, d):
+    a, b = sorted((_num(rng, d), _num(rng, d)), reverse=True)
+    sa, sb = str(a)[::-1], str(b)[::-1]
+    steps, borrow = [], 0
+    for i in range(len(sa)):
+        da, db = int(sa[i]), int(sb[i]) if i < len(sb) else 0
+        r = da - db - borrow
+        nb = int(r < 0)
+        steps.append(f"{da}-{db}-{borrow}={r + 10 * nb} b{nb}")
+        borrow = nb
+    return Example("sub", f"{a}-{b}=", str(a - b), d, steps, {"a": a, "b": b})
+
+
+def _make_mul(rng, d):
+    a, b = _num(rng, d), rng.randint(2, 9) if d == 1 else _num(rng, max(1, d - 1))
+    partial, steps = 0, []
+    for i, ch in enumerate(str(b)[::-1]):
+        p = a * int(ch) * 10 ** i
+        partial += p
+        steps.append(f"{a}*{ch}e{i}={p} s{partial}")
+    return Example("mul", f"{a}*{b}=", str(a * b), d, steps, {"a": a, "b": b})
+
+
+def _make_chain(rng, d):
+    """``d`` operations applied left to right (no precedence), intermediate values in steps."""
+    value = rng.randint(1, 9)
+    expr, steps = str(value), []
+    for _ in range(d):
+        op, x = rng.choice("+-*"), rng.randint(1, 9)
+        if op == "*" and abs(value) > 20:
+            op = "+"
+        new = value + x if op == "+" else value - x if op == "-" else value * x
+        steps.append(f"{value}{op}{x}={new}")
+        expr += f"{op}{x}"
+        value = new
+    return Example("chain", f"{expr}=", str(value), d, steps, {"ops": d})
+
+
+# -- string transforms ------------------------------------------------------------------------
+
+def _spaced(chars) -> str:
+    return " ".join(chars)
+
+
+def _string_family(name: str, rule: Callable[[list[str], random.Random], list[str]],
+                   alphabet: str = LETTERS[:12], repeats: bool = False):
+    def make(rng, d):
+        chars = [rng.choice(alphabet) for _ in range(d)] if repeats else \
+            rng.sample(alphabet, min(d, len(alphabet)))
+        out = rule(chars, rng)
+        return Example(name, f"{_spaced(chars)} ->", _spaced(out), d, None,
+                       {"input": "".join(chars)})
+    return make
+
+
+def _rotate(chars, rng):
+    return chars[1:] + chars[:1]          # rotate left by one
+
+
+def _dedupe(chars, rng):
+    seen, out = set(), []
+    for c in chars:
+        if c not in seen:
+            seen.add(c)
+            out.append(c)
+    return out
+
+
+def _swap(chars, rng):
+    out = list(chars)
+    for i in range(0, len(out) - 1, 2):
+        out[i], out[i + 1] = out[i + 1], out[i]
+    return out
+
+
+# -- recall, counting, patterns ---------------------------------------------------------------
+
+def _make_kv(rng, d):
+    keys = rng.sample(LETTERS, d)
+    vals = [rng.randint(0, 9) for _ in keys]
+    q = rng.randrange(d)
+    ctx = " ".join(f"{k}={v}" for k, v in zip(keys, vals))
+    return Example("kv", f"{ctx} ; {keys[q]}?", str(vals[q]), d, None, {"pairs": d})
+
+
+def _make_count(rng, d):
+    alphabet = LETTERS[:4]
+    chars = [rng.choice(alphabet) for _ in range(d)]
+    c = rng.choice(alphabet)
+    steps = [f"{ch}{'+' if ch == c else '.'}" for ch in chars]
+    return Example("count", f"count {c} in {_spaced(chars)} ->", str(chars.count(c)), d,
+                   steps, {"char": c})
+
+
+def _pattern_family(name: str, skip: bool):
+    """A motif of ``d`` symbols repeated; ``pattern`` asks for the next symbol, ``pattern_skip``
+    for the one after it (same surface form, different rule)."""
+    def make(rng, d):
+        motif = rng.sample(LETTERS[:10], d)
+        n = 2 * d + rng.randrange(d)
+        seq = [motif[i % d] for i in range(n)]
+        target = motif[(n + int(skip)) % d]
+        return Example(name, f"{_spaced(seq)} ->", target, d, None, {"motif": "".join(motif)})
+    return make
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in [
+    Family("add", "a+b with d-digit operands (steps: column sums and carries)", "arith+",
+           _make_add, (1, 2, 3, 4), True),
+    Family("addmod", "digit-wise sum modulo 10, no carries (looks like add)", "arith+",
+           _make_addmod, (1, 2, 3, 4), True),
+    Family("sub", "a-b, a >= b, d-digit operands (steps: columns and borrows)", "arith-",
+           _make_sub, (1, 2, 3, 4), True),
+    Family("mul", "a*b, d-digit by (d-1)-digit (steps: shifted partial products)", "arith*",
+           _make_mul, (1, 2, 3), True),
+    Family("chain", "d operations applied left to right (steps: running value)", "chain",
+           _make_chain, (1, 2, 3, 4, 5), True),
+    Family("reverse", "reverse the letters", "string", _string_family("reverse",
+           lambda c, r: c[::-1]), (3, 4, 5, 6)),
+    Family("sort", "sort the letters", "string", _string_family("sort",
+           lambda c, r: sorted(c)), (3, 4, 5, 6)),
+    Family("rotate", "rotate the letters left by one", "string",
+           _string_family("rotate", _rotate), (3, 4, 5, 6)),
+    Family("swap", "swap adjacent pairs of letters", "string",
+           _string_family("swap", _swap), (3, 4, 5, 6)),
+    Family("dedupe", "drop repeated letters, keep first occurrences", "string",
+           _string_family("dedupe", _dedupe, alphabet=LETTERS[:5], repeats=True), (4, 5, 6, 7)),
+    Family("kv", "recall the value of a key given d key=value pairs", "kv", _make_kv,
+           (2, 3, 4, 5)),
+    Family("count", "count a letter in a string of length d", "count", _make_count,
+           (3, 4, 5, 6, 7, 8), True),
+    Family("pattern", "next symbol of a repeated motif of length d", "pattern",
+           _pattern_family("pattern", False), (2, 3, 4)),
+    Family("pattern_skip", "the symbol after next of a repeated motif (looks like pattern)",
+           "pattern", _pattern_family("pattern_skip", True), (2, 3, 4)),
+]}
+
+
+def names() -> list[str]:
+    return list(FAMILIES)
+
+
+def get(name: str) -> Family:
+    if name not in FAMILIES:
+        raise KeyError(f"unknown task family {name!r}; families are {names()}")
+    return FAMILIES[name]
+
+
+def generate(name: str, n: int, seed: int = 0, difficulty: int | None = None) -> list[Example]:
+    """``n`` seeded examples of family ``name`` (see :meth:`Family.generate`)."""
+    return get(name).generate(n, seed, difficulty)
+
+
+def score(example: Example, completion: str) -> float:
+    """The exact verifier of the example's family: 1.0 or 0.0."""
+    return get(example.family).score(example, completion)
+
+
+def same_surface(name: str) -> list[str]:
+    """The other families whose prompts look exactly like ``name``'s."""
+    s = get(name).surface
+    return [f for f, fam in FAMILIES.items() if fam.surface == s and f != name]

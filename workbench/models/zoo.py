@@ -1,0 +1,358 @@
+"""The zoo: small pretrained language models, built once on first use and cached.
+
+Most papers adapt, quantize, route or merge a *pretrained* LM, and nothing may be downloaded, so
+the workbench pretrains its own (ZOO.md). A :class:`Recipe` names an architecture (a
+``transformers`` model class), its sizes per scale and its training mix: Python reference prose
+(:mod:`workbench.data.corpus`) plus rendered task examples (:mod:`workbench.data.tasks`) from a
+subset of families; the other families are held out for adaptation.
+
+``load(name, scale)`` returns ``(model, tokenizer)``. The first call trains and saves with
+``save_pretrained`` under ``cache_dir() / "zoo" / f"{name}-{hash}"``, the hash covering the recipe,
+the scale's sizes and :data:`ZOO_VERSION`. A ``filelock.FileLock`` makes concurrent callers build
+once; the model is written into a temporary directory and renamed into place, so a half-written
+model is never read. Beside each model, ``card.json``: parameters, tokens seen, held-out
+perplexity, unigram-baseline perplexity and per-task accuracy.
+
+``build``, ``list_built`` and ``clear`` back ``workbench zoo build|list|clear``. Importing this
+module trains nothing and imports neither torch nor transformers.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ZOO_VERSION = 1
+ALL_FAMILIES = ("add", "addmod", "sub", "mul", "chain", "reverse", "sort", "rotate", "swap",
+                "dedupe", "kv", "count", "pattern", "pattern_skip")
+
+
+@dataclass(frozen=True)
+class Size:
+    """Model and training sizes of one scale of a recipe."""
+    d_model: int = 128          # hidden size
+    n_layers: int = 4           # transformer blocks
+    n_heads: int = 4            # attention heads
+    d_ff: int = 384             # MLP width (a multiple of 32, so GGUF blocks fit)
+    ctx: int = 128              # training context, tokens
+    vocab: int = 1024           # BPE vocabulary
+    steps: int = 600            # optimizer steps
+    batch: int = 16             # sequences per step
+    lr: float = 3e-3            # peak AdamW learning rate (cosine decay, linear warm-up)
+    warmup: int = 30            # warm-up steps
+    n_task_examples: int = 3000  # rendered examples per trained family
+    eval_examples: int = 40     # examples per family for the card's accuracy
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A named backbone: architecture, training mix and sizes per scale."""
+    name: str
+    description: str
+    arch: str = "llama"                       # llama | gpt2 | qwen2
+    train_tasks: tuple[str, ...] = ("add", "reverse", "sort", "kv", "count", "pattern")
+    task_fraction: float = 0.5                # share of training sequences that are task text
+    with_steps: bool = False                  # render chain-of-thought steps in task text
+    seed: int = 0                             # the build seed (independent of notebook seeds)
+    smoke: Size = field(default_factory=Size)
+    full: Size = field(default_factory=lambda: Size(
+        d_model=512, n_layers=8, n_heads=8, d_ff=1408, ctx=512, vocab=2048, steps=20000,
+        batch=64, lr=1e-3, warmup=500, n_task_examples=50000, eval_examples=200))
+
+    def size(self, scale: str) -> Size:
+        if scale not in ("smoke", "full"):
+            raise ValueError(f"scale must be 'smoke' or 'full', got {scale!r}")
+        return getattr(self, scale)
+
+    def key(self, scale: str) -> str:
+        """Hash of everything that changes the built model (recipe, this scale's sizes)."""
+        d = asdict(self)
+        d.pop("smoke"), d.pop("full"), d.pop("description")
+        d.update(scale=scale, size=asdict(self.size(scale)), version=ZOO_VERSION)
+        return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
+
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in [
+    Recipe("lm-tiny", "Llama, ~1M parameters at smoke: prose + six task families, direct "
+           "answers; the other families are held out for adaptation"),
+    Recipe("lm-instruct", "Llama like lm-tiny, more task text, answers directly (paper 06)",
+           train_tasks=("add", "sub", "mul", "chain", "count", "kv"), task_fraction=0.7),
+    Recipe("lm-reasoning", "Llama like lm-instruct, writes its chain-of-thought steps "
+           "(paper 06)", train_tasks=("add", "sub", "mul", "chain", "count", "kv"),
+           task_fraction=0.7, with_steps=True),
+    Recipe("lm-gpt2", "GPT-2 architecture, string skills (a different architecture and skill "
+           "set, paper 11)", arch="gpt2",
+           train_tasks=("reverse", "sort", "rotate", "swap", "dedupe", "pattern")),
+    Recipe("lm-qwen2", "Qwen2 architecture, arithmetic skills (paper 11)", arch="qwen2",
+           train_tasks=("add", "addmod", "sub", "chain", "kv", "count")),
+    Recipe("lm-micro", "A seconds-to-build Llama for tests of the zoo machinery",
+           train_tasks=("pattern", "kv"),
+           smoke=Size(d_model=32, n_layers=1, n_heads=2, d_ff=64, ctx=32, vocab=300, steps=8,
+                      batch=4, warmup=2, n_task_examples=50, eval_examples=4),
+           full=Size(d_model=32, n_layers=1, n_heads=2, d_ff=64, ctx=32, vocab=300, steps=8,
+                     batch=4, warmup=2, n_task_examples=50, eval_examples=4)),
+]}
+
+
+def _recipe(name: str, recipe: Recipe | None = None) -> Recipe:
+    if recipe is not None:
+        return recipe
+    if name not in RECIPES:
+        raise KeyError(f"unknown zoo model {name!r}; recipes are {sorted(RECIPES)}")
+    return RECIPES[name]
+
+
+def zoo_dir() -> Path:
+    from ..runtime import cache_dir
+    path = cache_dir() / "zoo"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def model_dir(name: str, scale: str = "smoke", recipe: Recipe | None = None) -> Path:
+    r = _recipe(name, recipe)
+    return zoo_dir() / f"{r.name}-{scale}-{r.key(scale)}"
+
+
+# -- public API (the CLI calls exactly these) ---------------------------------------------------
+
+def load(name: str, scale: str = "smoke", recipe: Recipe | None = None, device: str = "cpu"):
+    """``(model, tokenizer)`` for zoo model ``name`` at ``scale``, built on first use.
+
+    The model is in eval mode on ``device``; its ``card.json`` is at
+    ``model_dir(name, scale) / "card.json"`` (also ``model.zoo_card``).
+    """
+    path, _ = ensure(name, scale, recipe)
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="float32").to(device).eval()
+    tok = PreTrainedTokenizerFast.from_pretrained(path)
+    tok.padding_side = "left"
+    model.zoo_card = json.loads((path / "card.json").read_text())
+    return model, tok
+
+
+def ensure(name: str, scale: str = "smoke", recipe: Recipe | None = None,
+           force: bool = False) -> tuple[Path, bool]:
+    """Make sure the model is built; return ``(path, built_now)``.
+
+    Under a file lock: check again for a finished build, else train into a temporary directory
+    and rename it into place (atomic on one filesystem).
+    """
+    from filelock import FileLock
+    r = _recipe(name, recipe)
+    path = model_dir(name, scale, r)
+    if (path / "card.json").exists() and not force:
+        return path, False
+    with FileLock(str(path) + ".lock"):
+        if (path / "card.json").exists() and not force:
+            return path, False            # somebody else built it while we waited
+        tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        _train_and_save(r, scale, tmp)
+        if path.exists():                 # force: move the old build out of the way first
+            old = path.parent / f".{path.name}.old-{os.getpid()}"
+            os.rename(path, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.rename(tmp, path)
+    return path, True
+
+
+def build(name: str, scale: str = "smoke", force: bool = False) -> dict:
+    """Build (or with ``force`` rebuild) zoo model ``name`` and return its card."""
+    path, _ = ensure(name, scale, force=force)
+    return json.loads((path / "card.json").read_text())
+
+
+def list_built() -> list[dict]:
+    """The cards of every finished build in the cache, each with its ``path``."""
+    out = []
+    for card in sorted(zoo_dir().glob("*/card.json")):
+        if card.parent.name.startswith("."):
+            continue
+        d = json.loads(card.read_text())
+        d["path"] = str(card.parent)
+        out.append(d)
+    return out
+
+
+def clear(name: str | None = None) -> list[Path]:
+    """Delete every build of ``name`` (all builds when None); return the removed paths."""
+    if name is not None:
+        _recipe(name)
+    removed = []
+    for p in sorted(zoo_dir().iterdir()):
+        if not p.is_dir() or p.name.startswith("."):
+            continue
+        card = p / "card.json"
+        model_name = json.loads(card.read_text())["name"] if card.exists() else \
+            p.name.rsplit("-", 2)[0]
+        if name is None or model_name == name:
+            shutil.rmtree(p)
+            removed.append(p)
+            lock = Path(str(p) + ".lock")
+            if lock.exists():
+                lock.unlink()
+    return removed
+
+
+# -- building ---------------------------------------------------------------------------------
+
+def make_model(arch: str, s: Size, tok):
+    """A freshly initialised ``transformers`` causal LM of architecture ``arch``."""
+    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                              Qwen2Config, Qwen2ForCausalLM)
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+               pad_token_id=tok.pad_token_id, vocab_size=len(tok))
+    if arch == "llama":
+        cfg = LlamaConfig(hidden_size=s.d_model, intermediate_size=s.d_ff,
+                          num_hidden_layers=s.n_layers, num_attention_heads=s.n_heads,
+                          num_key_value_heads=s.n_heads, max_position_embeddings=s.ctx,
+                          tie_word_embeddings=True, rms_norm_eps=1e-5, **ids)
+        return LlamaForCausalLM(cfg)
+    if arch == "qwen2":
+        cfg = Qwen2Config(hidden_size=s.d_model, intermediate_size=s.d_ff,
+                          num_hidden_layers=s.n_layers, num_attention_heads=s.n_heads,
+                          num_key_value_heads=s.n_heads, max_position_embeddings=s.ctx,
+                          tie_word_embeddings=True, **ids)
+        return Qwen2ForCausalLM(cfg)
+    if arch == "gpt2":
+        cfg = GPT2Config(n_embd=s.d_model, n_layer=s.n_layers, n_head=s.n_heads,
+                         n_inner=s.d_ff, n_positions=s.ctx, **ids)
+        return GPT2LMHeadModel(cfg)
+    raise ValueError(f"unknown architecture {arch!r}; choose llama, qwen2 or gpt2")
+
+
+def _task_stream(r: Recipe, s: Size, tok) -> list[int]:
+    """Rendered task examples of the trained families, each ``<bos> text <eos>``, as one stream."""
+    from ..data import corpus
+    lines = corpus.task_lines(r.train_tasks, s.n_task_examples, seed=r.seed + 1,
+                              with_steps=r.with_steps)
+    enc = tok(lines, add_special_tokens=False)["input_ids"]
+    ids: list[int] = []
+    for e in enc:
+        ids += [tok.bos_token_id] + e + [tok.eos_token_id]
+    return ids
+
+
+def _train_and_save(r: Recipe, scale: str, out: Path) -> dict:
+    import torch
+    from ..data import corpus
+    from ..progress import progress
+    t0 = time.time()
+    s = r.size(scale)
+    torch.manual_seed(r.seed)
+    device = torch.device("cuda" if scale == "full" and torch.cuda.is_available() else "cpu")
+    sample_lines = corpus.task_lines(ALL_FAMILIES, 100, seed=r.seed + 2, with_steps=True)
+    tok = corpus.train_tokenizer(s.vocab, extra_text=sample_lines)
+    text_ids = torch.tensor(corpus.encode_documents(tok, corpus.train_text()), dtype=torch.long)
+    task_ids = torch.tensor(_task_stream(r, s, tok) if r.train_tasks else [0] * (s.ctx + 2),
+                            dtype=torch.long)
+    model = make_model(r.arch, s, tok).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / s.warmup) * (
+        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(i, s.steps) / s.steps))))
+    g = torch.Generator().manual_seed(r.seed)
+    n_task = int(round(s.batch * r.task_fraction)) if r.train_tasks else 0
+    losses, tokens = [], 0
+    model.train()
+    for step in progress(range(s.steps), desc=f"zoo {r.name}/{scale}"):
+        rows = []
+        for src, n in ((text_ids, s.batch - n_task), (task_ids, n_task)):
+            if n:
+                starts = torch.randint(0, len(src) - s.ctx - 1, (n,), generator=g)
+                rows += [src[i: i + s.ctx] for i in starts.tolist()]
+        x = torch.stack(rows).to(device)
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(float(loss))
+        tokens += x.numel()
+    model.eval()
+    train_s = time.time() - t0
+    card = {
+        "name": r.name, "scale": scale, "key": r.key(scale), "arch": r.arch,
+        "description": r.description, "recipe": {k: v for k, v in asdict(r).items()
+                                                 if k not in ("smoke", "full")},
+        "size": asdict(s),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "tokens_seen": tokens, "train_loss_first": losses[0],
+        "train_loss_last": sum(losses[-10:]) / len(losses[-10:]),
+        "heldout_ppl": perplexity(model, corpus.heldout_blocks(tok, s.ctx)),
+        "unigram_ppl": unigram_perplexity(text_ids, corpus.encode_documents(
+            tok, corpus.heldout_text()), len(tok)),
+        "task_accuracy": {f: task_accuracy(model, tok, f, s.eval_examples, seed=12345,
+                                           with_steps=r.with_steps) for f in ALL_FAMILIES},
+        "trained_tasks": list(r.train_tasks),
+        "train_seconds": round(train_s, 1), "device": str(device), "build_pid": os.getpid(),
+        "zoo_version": ZOO_VERSION,
+    }
+    card["build_seconds"] = round(time.time() - t0, 1)
+    out.mkdir(parents=True, exist_ok=True)
+    model.cpu().save_pretrained(out)
+    tok.save_pretrained(out)
+    (out / "card.json").write_text(json.dumps(card, indent=2))
+    return card
+
+
+# -- evaluation (shared with notebooks) --------------------------------------------------------
+
+def perplexity(model, blocks, batch: int = 16) -> float:
+    """exp(mean next-token negative log-likelihood) over (B, ctx) token ``blocks``."""
+    import torch
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(blocks), batch):
+            x = blocks[i: i + batch].to(device)
+            logits = model(input_ids=x).logits[:, :-1].float()
+            nll = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum")
+            total += float(nll)
+            count += x[:, 1:].numel()
+    return math.exp(total / count)
+
+
+def unigram_perplexity(train_ids, heldout_ids, vocab: int) -> float:
+    """Perplexity of add-one-smoothed unigram frequencies of the train tokens, on held-out."""
+    import torch
+    counts = torch.bincount(torch.as_tensor(train_ids), minlength=vocab).double() + 1
+    logp = (counts / counts.sum()).log()
+    return math.exp(-float(logp[torch.as_tensor(heldout_ids)].mean()))
+
+
+def generate(model, tok, prompts: list[str], max_new_tokens: int = 16,
+             batch: int = 64) -> list[str]:
+    """Greedy completions of ``prompts`` (each prefixed by ``<bos>``), cut at ``<eos>``."""
+    import torch
+    device = next(model.parameters()).device
+    tok.padding_side = "left"
+    outs = []
+    with torch.no_grad():
+        for i in range(0, len(prompts), batch):
+            chunk = [tok.bos_token + p for p in prompts[i: i + batch]]
+            enc = tok(chunk, return_tensors="pt", padding=True, add_special_tokens=False)
+            enc = {k: v.to(device) for k, v in enc.items()}
+            gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+            new = gen[:, enc["input_ids"].shape[1]:]
+            outs += tok.batch_decode(new, skip_special_tokens=True)
+    return outs
+
+
+def task_accuracy(model, tok, family: str, n: int = 50, seed: int = 0,
+                  difficulty: int | None = None, with_steps: bool = False) -> float:
+    """Mean exact-match score of greedy completions on ``n`` examples of ``family``."""
+    from ..data import tasks
+    exs = tasks.generate(family, n, seed, difficulty)
+    longest = max(len(tok(e.completion(with_steps), add_special_tokens=False)["input_ids"])
+                  for e in exs)
+    comps = generate(model, tok, [e.prompt for e in exs], max_new_tokens=longest + 2)
+    return sum(tasks.score(e, c) for e, c in zip(exs, comps)) / len(exs)
