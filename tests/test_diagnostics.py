@@ -1,0 +1,101 @@
+"""Diagnostics against hand-made cases with known answers."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from workbench import diagnostics as d
+
+
+def test_dormant_scores_and_fraction():
+    acts = torch.tensor([[1.0, 0.0, 2.0, 1.0], [3.0, 0.0, -2.0, 1.0]])   # unit 1 is dead
+    s = d.dormant_scores(acts)
+    # per-unit mean |a| = [2, 0, 2, 1], layer mean 1.25
+    assert torch.allclose(s, torch.tensor([1.6, 0.0, 1.6, 0.8]), atol=1e-6)
+    assert d.dormant_fraction(acts, tau=0.0) == pytest.approx(0.25)
+    assert d.dormant_fraction(acts, tau=0.9) == pytest.approx(0.5)
+
+
+def test_dormant_averages_spatial_positions_like_the_batch():
+    acts = torch.zeros(2, 3, 4, 4)
+    acts[:, 0] = 1.0
+    acts[:, 2, 0, 0] = 16.0         # unit 2 is active at one position only: mean 1
+    assert d.dormant_fraction(acts, tau=0.0) == pytest.approx(1 / 3)
+    assert torch.allclose(d.dormant_scores(acts), torch.tensor([1.5, 0.0, 1.5]))
+
+
+def test_saturated_fraction_finds_constant_tanh_units():
+    g = torch.Generator().manual_seed(0)
+    acts = torch.tanh(torch.randn(256, 4, generator=g))
+    acts[:, 0] = 0.999                 # saturated, constant
+    acts[:, 1] = -0.99 + 0.001 * torch.randn(256, generator=g)
+    assert d.saturated_fraction(acts) == pytest.approx(0.5)
+
+
+def test_srank_and_erank_on_known_spectra():
+    assert d.srank(torch.eye(10)) == 10 and d.erank(torch.eye(10)) == pytest.approx(10)
+    rank_one = torch.outer(torch.arange(1.0, 6.0), torch.arange(1.0, 4.0))
+    assert d.srank(rank_one) == 1 and d.erank(rank_one) == pytest.approx(1, abs=1e-6)
+    # a long flat tail: the two definitions disagree a lot
+    sv = torch.tensor([100.0] + [1.0] * 100)
+    assert d.srank(sv, is_sv=True) == 99                 # 100 + 98 >= 0.99 * 200
+    assert d.erank(sv, is_sv=True) == pytest.approx(math.sqrt(2 * 200), rel=1e-9)
+    assert d.srank(sv, delta=0.5, is_sv=True) == 1
+    assert d.srank(torch.zeros(3, 3)) == 0 and d.erank(torch.zeros(3, 3)) == 0.0
+
+
+def test_srank_accepts_numpy_and_matrices_of_any_shape():
+    x = np.diag([3.0, 2.0, 1.0, 0.0])[:, :3]
+    assert d.srank(x) == 3
+    with pytest.raises(ValueError):
+        d.singular_values(torch.zeros(2, 2, 2))
+
+
+def test_ablate_singular_removes_exactly_that_component():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(6, 5, generator=g, dtype=torch.float64)
+    s = torch.linalg.svdvals(w)
+    s1 = torch.linalg.svdvals(d.ablate_singular(w, 0))
+    # the ablated matrix has the other singular values unchanged and a zero in place of s_0
+    assert torch.allclose(torch.sort(s1, descending=True).values[:4], s[1:], atol=1e-10)
+    assert s1.min() < 1e-10
+    s2 = torch.linalg.svdvals(d.ablate_singular(w, [1, 2]))
+    assert torch.allclose(torch.sort(s2, descending=True).values[:3], s[[0, 3, 4]], atol=1e-10)
+
+
+def test_ablate_random_removes_equal_norm():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(8, 8, generator=g, dtype=torch.float64)
+    s = torch.linalg.svdvals(w)
+    removed = w - d.ablate_random(w, 0, generator=g)
+    assert torch.linalg.matrix_rank(removed) == 1
+    assert torch.linalg.norm(removed) == pytest.approx(float(s[0]))
+
+
+def test_hutchinson_is_exact_for_a_diagonal_hessian():
+    diag = torch.tensor([1.0, -2.0, 3.5, 0.25])
+    x = torch.randn(4, requires_grad=True)
+    loss = 0.5 * (diag * x * x).sum()          # H = diag: v^T H v = sum(diag) for any +-1 v
+    assert d.hutchinson_trace(loss, [x], n_samples=3) == pytest.approx(float(diag.sum()))
+
+
+def test_hutchinson_estimates_a_dense_trace():
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(6, 6, generator=g)
+    a = a @ a.T
+    x = torch.randn(6, requires_grad=True)
+    est = d.hutchinson_trace(0.5 * x @ a @ x, [x], n_samples=4000, generator=g)
+    assert est == pytest.approx(float(torch.trace(a)), rel=0.05)
+
+
+def test_growth_rate_and_tracker():
+    t = np.arange(50)
+    r, r2 = d.growth_rate(t, 3.0 * np.exp(0.1 * t))
+    assert r == pytest.approx(0.1) and r2 == pytest.approx(1.0)
+    tr = d.Tracker()
+    for step in range(3):
+        tr.log(step, loss=1.0 / (step + 1))
+    assert list(tr["loss"]) == [1.0, 0.5, pytest.approx(1 / 3)] and "loss" in tr
+    assert list(tr.frame().columns) == ["step", "loss"]
+    assert d.global_norm([torch.tensor([3.0]), torch.tensor([4.0])]) == pytest.approx(5.0)

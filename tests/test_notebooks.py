@@ -1,0 +1,41 @@
+"""Notebook hygiene (STYLE.md): no outputs, one literal parameters cell, python3 kernel spec.
+Executing them is nbval's job (`pytest notebooks --nbval-lax`, see the README)."""
+import ast
+import json
+
+import pytest
+
+from workbench.notebooks import discover, hygiene_problems, parameters
+
+NOTEBOOKS = discover()
+REQUIRED = ("scale", "seed", "device", "out_dir")
+
+
+def test_there_are_notebooks():
+    assert any(i.slug == "12-nfi" for i in NOTEBOOKS)
+
+
+@pytest.mark.parametrize("info", NOTEBOOKS, ids=lambda i: i.slug)
+def test_hygiene(info):
+    assert hygiene_problems(info.path) == []
+
+
+@pytest.mark.parametrize("info", NOTEBOOKS, ids=lambda i: i.slug)
+def test_parameters_cell_is_literal_and_complete(info):
+    nb = json.loads(info.path.read_text())
+    (cell,) = [c for c in nb["cells"] if "parameters" in c["metadata"].get("tags", [])]
+    for stmt in ast.parse("".join(cell["source"])).body:
+        assert isinstance(stmt, (ast.AnnAssign, ast.Assign)), ast.dump(stmt)
+        ast.literal_eval(stmt.value)          # literals only: nothing derived here
+    spec = parameters(info.path)
+    assert all(name in spec for name in REQUIRED)
+    assert spec["scale"]["default"] == '"smoke"' and spec["seed"]["type"] == "int"
+
+
+@pytest.mark.parametrize("info", NOTEBOOKS, ids=lambda i: i.slug)
+def test_title_and_claims_listed(info):
+    assert info.title != info.slug and info.claims and info.claims[0] == "C1"
+    src = info.path.read_text()
+    assert "run.finish()" in src and "workbench.show(" in src
+    for cid in info.claims:
+        assert f'"{cid}"' in src, f"{cid} is listed but never claimed"

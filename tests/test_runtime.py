@@ -1,0 +1,96 @@
+"""The Run object: sizes, seeding, claims, strict mode and the files finish() writes."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import workbench
+from workbench.runtime import ClaimFailed, pick_device
+
+SIZES = {"smoke": {"steps": 10, "lr": 0.1, "name": "a"}, "full": {"steps": 1000, "lr": 0.01,
+                                                                  "name": "a"}}
+
+
+def test_sizes_by_scale_with_overrides(tmp_path):
+    run = workbench.start("00-test", scale="full", out_dir=tmp_path)
+    assert run.sizes(SIZES) == SIZES["full"]
+    assert run.sizes(SIZES, steps=5, lr=None) == {"steps": 5, "lr": 0.01, "name": "a"}
+    with pytest.raises(KeyError, match="steps"):
+        run.sizes(SIZES, step=5)
+
+
+def test_bad_scale_and_device(tmp_path):
+    with pytest.raises(ValueError, match="smoke"):
+        workbench.start("00-test", scale="huge", out_dir=tmp_path)
+    with pytest.raises(ValueError, match="device"):
+        pick_device("gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA is not available"):
+            pick_device("cuda")
+    assert pick_device("auto").type in ("cpu", "cuda")
+
+
+def test_seeding_makes_runs_repeatable(tmp_path):
+    workbench.start("00-test", seed=3, out_dir=tmp_path)
+    a = (torch.rand(3), np.random.rand(3))
+    workbench.start("00-test", seed=3, out_dir=tmp_path)
+    b = (torch.rand(3), np.random.rand(3))
+    assert torch.equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+
+
+def test_finish_writes_the_contract(tmp_path):
+    run = workbench.start("00-test", seed=1, out_dir=tmp_path, lr=0.5)
+    run.record("loss", np.float32(0.25))
+    run.record(acc=torch.tensor(0.5), curve=np.arange(3), bad=float("nan"))
+    run.claim("C1", "loss is small", holds=np.bool_(True), evidence={"loss": 0.25}, robust=True)
+    run.claim("C2", "accuracy is high", holds=False)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots()
+    ax.plot([0, 1])
+    run.savefig(fig, "line")
+    summary = run.finish()
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    assert m == json.loads(json.dumps(summary))
+    assert m["notebook"] == "00-test" and m["seed"] == 1 and m["scale"] == "smoke"
+    assert m["metrics"] == {"loss": 0.25, "acc": 0.5, "curve": [0, 1, 2], "bad": None}
+    assert [(c["id"], c["holds"], c["robust"]) for c in m["claims"]] == [
+        ("C1", True, True), ("C2", False, False)]
+    assert m["params"]["lr"] == 0.5 and m["figures"] == ["line.png"]
+    assert (tmp_path / "figures" / "line.png").stat().st_size > 0
+    env = json.loads((tmp_path / "env.json").read_text())
+    assert {"git", "packages", "device", "determinism"} <= set(env)
+    assert json.loads((tmp_path / "params.json").read_text())["seed"] == 1
+
+
+def test_strict_mode_raises_on_a_failed_robust_claim(tmp_path, monkeypatch):
+    run = workbench.start("00-test", out_dir=tmp_path)
+    run.claim("C1", "robust but false", holds=False, robust=True)
+    monkeypatch.setenv("WORKBENCH_STRICT", "1")
+    with pytest.raises(ClaimFailed, match="C1"):
+        run.finish()
+    assert (tmp_path / "metrics.json").exists()        # the results are still written
+    monkeypatch.setenv("WORKBENCH_STRICT", "0")
+    run.finish()
+
+
+def test_claim_needs_a_computed_bool(tmp_path):
+    run = workbench.start("00-test", out_dir=tmp_path)
+    with pytest.raises(TypeError):
+        run.claim("C1", "typed in", holds="yes")
+    run.claim("C1", "first", holds=True)
+    run.claim("C1", "re-run cell", holds=False)
+    assert [c.text for c in run.claims] == ["re-run cell"]
+
+
+def test_default_run_dir_is_interactive(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_HOME", str(tmp_path))
+    run = workbench.start("00-test")
+    assert run.out_dir == tmp_path / "runs" / "interactive" / "00-test"
+
+
+def test_show_prints_source(capsys):
+    workbench.show(pick_device)
+    assert "def pick_device" in capsys.readouterr().out
