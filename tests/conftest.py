@@ -33,12 +33,13 @@ run.finish()
 
 @pytest.fixture
 def fixture_notebooks(tmp_path):
-    """Four notebooks for the batch tests: one that works, one that raises, one that is slow,
-    one that never writes metrics."""
+    """Four notebooks for the batch tests: one that works, one that raises, one that outlives
+    its timeout, one whose kernel dies."""
     d = tmp_path / "notebooks"
     d.mkdir()
     make_notebook(d / "01-ok.ipynb", OK_BODY, "x: int = 1  # a number\n")
     make_notebook(d / "02-raises.ipynb", 'raise RuntimeError("boom from the notebook")')
     make_notebook(d / "03-slow.ipynb", "import time\ntime.sleep(sleep_s)",
                   "sleep_s: float = 60.0  # how long to sleep\n")
+    make_notebook(d / "04-dies.ipynb", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
     return d

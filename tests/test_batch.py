@@ -1,5 +1,6 @@
 """The batch runner end to end through papermill, on fixture notebooks and on notebook 12."""
 import json
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -38,12 +39,16 @@ def test_batch_keeps_going_past_failures_and_reports(fixture_notebooks, tmp_path
     out = tmp_path / "out"
     jobs = batch.plan([infos["01-ok"]], out, raw_params={"x": ["1", "-1"]}, seeds=[0, 1])
     jobs += batch.plan([infos["02-raises"]], out)
-    jobs += batch.plan([infos["03-slow"]], out)
-    results = batch.run_batch(jobs, n_jobs=2, timeout=25, show_progress=False)
+    jobs += batch.plan([infos["04-dies"]], out)
+    slow = batch.plan([infos["03-slow"]], out)
+    # generous limit for the jobs that should finish (CI machines can be slow to start kernels);
+    # a short one for the notebook that sleeps a minute
+    results = batch.run_batch(jobs, n_jobs=2, timeout=300, show_progress=False)
+    results += batch.run_batch(slow, n_jobs=1, timeout=10, show_progress=False)
     status = {(r.job.slug, r.job.params.get("x"), r.job.seed): r.status for r in results}
     assert status == {("01-ok", 1, 0): "ok", ("01-ok", 1, 1): "ok", ("01-ok", -1, 0): "ok",
                       ("01-ok", -1, 1): "ok", ("02-raises", None, 0): "failed",
-                      ("03-slow", None, 0): "timeout"}
+                      ("03-slow", None, 0): "timeout", ("04-dies", None, 0): "died"}
     failed = next(r for r in results if r.job.slug == "02-raises")
     assert "boom from the notebook" in failed.error
     # every job leaves its log and job.json; the good ones their metrics and executed notebook
@@ -58,7 +63,7 @@ def test_batch_keeps_going_past_failures_and_reports(fixture_notebooks, tmp_path
 
     index = report.build(out)
     res = pd.read_csv(out / "results.csv")
-    assert len(res) == 6 and set(res["status"]) == {"ok", "failed", "timeout"}
+    assert len(res) == 7 and set(res["status"]) == {"ok", "failed", "timeout", "died"}
     agg = pd.read_csv(out / "aggregate.csv").set_index("params")
     assert agg.loc["x=1", "n"] == 2 and agg.loc["x=1", "seeds"] == "0,1"
     assert agg.loc["x=1", "x_plus_seed mean"] == pytest.approx(1.5)
@@ -67,9 +72,41 @@ def test_batch_keeps_going_past_failures_and_reports(fixture_notebooks, tmp_path
     assert "02-raises" in page and "boom from the notebook" in page and "executed notebook" in page
 
     # --resume skips exactly the jobs that finished with the same parameters
-    again = batch.run_batch(jobs, n_jobs=2, timeout=25, resume=True, show_progress=False)
+    again = batch.run_batch(jobs, n_jobs=2, timeout=300, resume=True, show_progress=False)
     assert [r.status for r in again if r.job.slug == "01-ok"] == ["cached"] * 4
     assert next(r for r in again if r.job.slug == "02-raises").status == "failed"
+
+
+def test_kernel_that_fails_to_start_is_retried_once(fixture_notebooks, tmp_path, monkeypatch):
+    # Stand in for papermill: the first attempt fails the way a kernel that never starts does,
+    # the second writes the notebook's metrics. The runner must retry exactly once.
+    script = (
+        "import json, pathlib, sys\n"
+        "out = pathlib.Path(sys.argv[1]); n = out / 'attempts'\n"
+        "k = int(n.read_text()) + 1 if n.exists() else 1; n.write_text(str(k))\n"
+        "if k == 1:\n"
+        "    print('RuntimeError: Kernel didn\\'t respond in 60 seconds'); sys.exit(1)\n"
+        "(out / 'metrics.json').write_text(json.dumps({'claims': []}))\n")
+    monkeypatch.setattr(batch, "_papermill_cmd",
+                        lambda job, timeout: [sys.executable, "-c", script, job.out])
+    (job,) = batch.plan(discover(fixture_notebooks)[:1], tmp_path)
+    r = batch.run_job(job, timeout=30)
+    assert (r.status, r.attempts) == ("ok", 2)
+
+
+def test_a_notebook_error_is_not_retried(fixture_notebooks, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(batch, "_papermill_cmd", lambda job, timeout: calls.append(1) or [
+        sys.executable, "-c", "print('ValueError: bad input'); raise SystemExit(1)"])
+    (job,) = batch.plan(discover(fixture_notebooks)[:1], tmp_path)
+    r = batch.run_job(job, timeout=30)
+    assert (r.status, r.attempts, len(calls)) == ("failed", 1, 1) and "bad input" in r.error
+
+
+def test_list_shows_notebooks_and_claims(capsys):
+    assert cli.main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "12-nfi" in out and "C1" in out and "last result" in out
 
 
 def test_strict_batch_fails_a_job_whose_robust_claim_fails(fixture_notebooks, tmp_path):

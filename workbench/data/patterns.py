@@ -64,6 +64,24 @@ def transitions(seq) -> list[int]:
     return [int(a == b) for a, b in zip(seq[:-1], seq[1:])]
 
 
+def distinct_indices(n: int, size: int, k: int, generator: torch.Generator | None = None):
+    """``n`` rows of ``k`` distinct indices in ``[0, size)``, uniform over ordered k-tuples.
+
+    Sequential sampling without replacement: draw ``r`` in ``[0, size - m)``, then step it over
+    the ``m`` indices already taken (in increasing order) so it lands on a free one.
+    """
+    if k > size:
+        raise ValueError(f"cannot draw {k} distinct indices from {size}")
+    out = torch.empty(n, k, dtype=torch.long)
+    for m in range(k):
+        r = torch.randint(0, size - m, (n,), generator=generator)
+        taken = out[:, :m].sort(dim=1).values
+        for j in range(m):
+            r = r + (r >= taken[:, j]).long()
+        out[:, m] = r
+    return out
+
+
 @dataclass
 class PatternTask:
     """A pattern family over a vocabulary split into train and novel tokens."""
@@ -91,6 +109,10 @@ class PatternTask:
         # the generative tree: distinct canonical prefixes at each depth t = 1..L
         self.prefixes = [tuple(sorted({p[:t] for p in self.patterns}))
                          for t in range(1, self.length + 1)]
+        # a pattern's letters as slot indices ("ABA" -> [0, 1, 0]) and its prefix ids per step
+        self._slots = torch.tensor([[LETTERS.index(c) for c in p] for p in self.patterns])
+        self._prefix_table = torch.tensor([[self.prefixes[t].index(p[:t + 1])
+                                            for t in range(self.length)] for p in self.patterns])
 
     @property
     def length(self) -> int:
@@ -130,17 +152,11 @@ class PatternTask:
         alphabet = self.tokens(split)
         if pattern_ids is None:
             pattern_ids = torch.randint(0, self.n_classes, (n,), generator=generator)
-        # a pattern's letters as slot indices: "ABA" -> [0, 1, 0]
-        slots = torch.tensor([[LETTERS.index(c) for c in p] for p in self.patterns])
-        # distinct tokens per sequence: the first max_letters entries of a random permutation
-        perm = torch.rand(n, len(alphabet), generator=generator).argsort(dim=1)[:, :self.max_letters]
-        chosen = alphabet[perm]                                    # (n, max_letters)
-        tokens = torch.gather(chosen, 1, slots[pattern_ids])       # (n, L)
+        chosen = alphabet[distinct_indices(n, len(alphabet), self.max_letters, generator)]
+        tokens = torch.gather(chosen, 1, self._slots[pattern_ids])  # (n, L)
         trans = (tokens[:, 1:] == tokens[:, :-1]).long()
-        prefix_table = torch.tensor([[self.prefixes[t].index(p[:t + 1]) for t in range(self.length)]
-                                     for p in self.patterns])
         return {"tokens": tokens, "label": pattern_ids.clone(), "transitions": trans,
-                "prefix": prefix_table[pattern_ids]}
+                "prefix": self._prefix_table[pattern_ids]}
 
 
 def make_task(n_train_tokens: int = 40, n_novel_tokens: int = 20, length: int = 3,

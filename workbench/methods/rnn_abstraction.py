@@ -15,8 +15,10 @@ different; the paper's claims are about what it builds anyway:
 
 Implementation choices (say which and why, REFERENCES.md):
 
-- token embeddings are a *fixed* random table (N(0, 1) entries): novel tokens get no gradient, so a
-  trained table would drift the train tokens away from the novel ones and confound C1;
+- the input pathway (token embeddings, N(0, 1) entries, and ``W_ih``) is *fixed*: novel tokens get
+  no gradient, so a trained table would drift the train tokens away from the novel ones and
+  confound C1; and a fixed, shared pathway gives every model the same hidden coordinates, which a
+  transferred ``W_hh`` scaffold needs (C6);
 - the next-token readout maps ``h_t`` into embedding space and scores the candidate tokens by a dot
   product with that fixed table (tied output), restricted to the alphabet of the sequence's split:
   that is what makes next-token *generalisation to novel tokens* measurable at all;
@@ -39,24 +41,30 @@ from workbench.data.patterns import PatternTask
 class PatternRNN(nn.Module):
     """Fixed embedding -> ``torch.nn.RNN`` (tanh, one layer) -> linear readout.
 
+    The input pathway (embedding table and ``W_ih``) is fixed, drawn from ``input_seed``: novel
+    tokens are then in distribution, and every model of a run shares the hidden coordinates in
+    which a recurrent scaffold is written (C6). ``W_hh``, the biases and the readout are trained.
+
     ``n_out`` classes for the pattern classifier; ``tied=True`` makes the readout a map into the
     embedding space scored against the (fixed) embedding table: the next-token model.
     """
 
     def __init__(self, vocab: int, hidden: int = 64, embed_dim: int = 32, n_out: int = 5,
-                 tied: bool = False, generator: torch.Generator | None = None):
+                 tied: bool = False, input_seed: int = 0, generator: torch.Generator | None = None):
         super().__init__()
         self.hidden, self.tied = hidden, tied
-        table = torch.randn(vocab, embed_dim, generator=generator)
-        self.register_buffer("table", table)                     # fixed e(x), see module doc
         self.rnn = nn.RNN(embed_dim, hidden, nonlinearity="tanh", batch_first=True)
         self.readout = nn.Linear(hidden, embed_dim if tied else n_out)
-        with torch.no_grad():                                     # seeded init, torch defaults
+        with torch.no_grad():                                     # seeded init, torch's ranges
             b = 1 / math.sqrt(hidden)
-            for p in self.rnn.parameters():
+            for p in [*self.rnn.parameters(), *self.readout.parameters()]:
                 p.copy_(torch.empty_like(p).uniform_(-b, b, generator=generator))
-            self.rnn.weight_ih_l0.copy_(torch.randn(hidden, embed_dim, generator=generator)
+            # the fixed input pathway e(x), W_ih: the same for every model with this input_seed
+            g_in = torch.Generator().manual_seed(input_seed)
+            self.register_buffer("table", torch.randn(vocab, embed_dim, generator=g_in))
+            self.rnn.weight_ih_l0.copy_(torch.randn(hidden, embed_dim, generator=g_in)
                                         / math.sqrt(embed_dim))   # unit-variance input drive
+        self.rnn.weight_ih_l0.requires_grad_(False)
 
     @property
     def w_hh(self) -> torch.Tensor:
@@ -95,14 +103,15 @@ def states_with(model: PatternRNN, tokens: torch.Tensor, w_hh: torch.Tensor | No
 # -- training ----------------------------------------------------------------------------------
 def train_classifier(model: PatternRNN, task: PatternTask, steps: int, batch: int = 128,
                      lr: float = 3e-3, n_seqs: int = 0, shuffle_labels: bool = False,
-                     generator: torch.Generator | None = None, progress=None) -> list[float]:
+                     weight_decay: float = 0.0, generator: torch.Generator | None = None, progress=None) -> list[float]:
     """Cross-entropy on the pattern label of train-token sequences (no transition labels).
 
     ``n_seqs > 0`` trains on a fixed set of that many sequences (needed for ``shuffle_labels``,
     the generic-statistics control: same inputs, labels permuted once, so only memorisation is
     possible); ``n_seqs = 0`` draws fresh sequences every step. Returns the loss per step.
     """
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
+                            weight_decay=weight_decay)
     fixed = task.sample(n_seqs, "train", generator) if n_seqs else None
     if fixed is not None and shuffle_labels:
         fixed["label"] = fixed["label"][torch.randperm(n_seqs, generator=generator)]
@@ -147,7 +156,7 @@ def train_next_token(model: PatternRNN, task: PatternTask, steps: int, batch: in
                      generator: torch.Generator | None = None) -> dict:
     """Next-token training on train-token sequences; every ``eval_every`` steps the loss on a
     fixed batch of train-token and of novel-token sequences (the learning curves of C6)."""
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
     ev = eval_batch or {"train": task.sample(512, "train", generator)["tokens"],
                         "novel": task.sample(512, "novel", generator)["tokens"]}
     curve = {"step": [], "train": [], "novel": []}

@@ -39,9 +39,9 @@ class Size:
     n_layers: int = 4           # transformer blocks
     n_heads: int = 4            # attention heads
     d_ff: int = 384             # MLP width (a multiple of 32, so GGUF blocks fit)
-    ctx: int = 128              # training context, tokens
-    vocab: int = 1024           # BPE vocabulary
-    steps: int = 600            # optimizer steps
+    ctx: int = 64               # training context, tokens
+    vocab: int = 512            # BPE vocabulary
+    steps: int = 300            # optimizer steps
     batch: int = 16             # sequences per step
     lr: float = 3e-3            # peak AdamW learning rate (cosine decay, linear warm-up)
     warmup: int = 30            # warm-up steps
@@ -241,6 +241,18 @@ def _task_stream(r: Recipe, s: Size, tok) -> list[int]:
 
 def _train_and_save(r: Recipe, scale: str, out: Path) -> dict:
     import torch
+    threads = torch.get_num_threads()
+    # Small matmuls on a shared CPU: one thread avoids OpenMP spin-waiting, which we measured
+    # making a 2-thread step ~10x slower under contention. Set WORKBENCH_ZOO_THREADS to change.
+    torch.set_num_threads(int(os.environ.get("WORKBENCH_ZOO_THREADS", "1")))
+    try:
+        return _train_and_save_inner(r, scale, out)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_and_save_inner(r: Recipe, scale: str, out: Path) -> dict:
+    import torch
     from ..data import corpus
     from ..progress import progress
     t0 = time.time()
@@ -273,7 +285,7 @@ def _train_and_save(r: Recipe, scale: str, out: Path) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         tokens += x.numel()
     model.eval()
     train_s = time.time() - t0
