@@ -266,7 +266,7 @@ def run_batch(jobs: list[Job], n_jobs: int | None = None, timeout: float = 900,
             except Exception as e:          # a bug here must not lose the other jobs' results
                 results[i] = JobResult(jobs[i], "failed", 0.0, f"runner error: {e!r}")
             r = results[i]
-            bar.set_postfix_str(f"{r.job.slug} seed {r.job.seed}: {r.status}")
+            bar.set_postfix_str(f"{r.job.slug} seed {r.job.seed}: {r.status}", refresh=False)
             bar.update(1)
         bar.close()
     return [results[i] for i in range(len(jobs))]

@@ -15,6 +15,8 @@ Shared surface forms (so routing and forgetting are real):
   rule differs;
 - ``add`` and ``addmod`` (the sum modulo 10 per digit, no carries) both read ``"23+49="``;
 - ``pattern`` and ``pattern_skip`` both read ``"a b c a b c a ->"``.
+``addmod`` and ``pattern_skip`` even draw the same prompts as ``add`` and ``pattern`` for the same
+seed (``Family.stream``), so the two rules can be compared on identical inputs.
 
 Characters in string tasks (inputs and answers) are space-separated so that a byte-level BPE
 sees one token per symbol. Nothing here imports torch.
@@ -75,13 +77,14 @@ class Family:
     difficulties: tuple[int, ...]         # the sensible range of ``difficulty``
     has_steps: bool = False
     scorer: Callable[[Example, str], float] = exact_match
+    stream: str | None = None             # share another family's random draws (same prompts)
 
     def generate(self, n: int, seed: int = 0, difficulty: int | None = None) -> list[Example]:
         """``n`` examples, the same for the same (family, seed, difficulty) on every machine.
 
         ``difficulty=None`` draws each example's difficulty uniformly from ``difficulties``.
         """
-        key = f"{self.name}:{seed}:{difficulty}".encode()
+        key = f"{self.stream or self.name}:{seed}:{difficulty}".encode()
         rng = random.Random(zlib.crc32(key))
         out = []
         for _ in range(n):
@@ -235,7 +238,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("add", "a+b with d-digit operands (steps: column sums and carries)", "arith+",
            _make_add, (1, 2, 3, 4), True),
     Family("addmod", "digit-wise sum modulo 10, no carries (looks like add)", "arith+",
-           _make_addmod, (1, 2, 3, 4), True),
+           _make_addmod, (1, 2, 3, 4), True, stream="add"),
     Family("sub", "a-b, a >= b, d-digit operands (steps: columns and borrows)", "arith-",
            _make_sub, (1, 2, 3, 4), True),
     Family("mul", "a*b, d-digit by (d-1)-digit (steps: shifted partial products)", "arith*",
@@ -259,7 +262,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("pattern", "next symbol of a repeated motif of length d", "pattern",
            _pattern_family("pattern", False), (2, 3, 4)),
     Family("pattern_skip", "the symbol after next of a repeated motif (looks like pattern)",
-           "pattern", _pattern_family("pattern_skip", True), (2, 3, 4)),
+           "pattern", _pattern_family("pattern_skip", True), (2, 3, 4), stream="pattern"),
 ]}
 
 

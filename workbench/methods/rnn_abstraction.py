@@ -91,8 +91,9 @@ def states_with(model: PatternRNN, tokens: torch.Tensor, w_hh: torch.Tensor | No
     """
     r = model.rnn
     w = r.weight_hh_l0 if w_hh is None else w_hh
+    tokens = tokens.to(model.table.device)
     drive = model.table[tokens] @ r.weight_ih_l0.T + r.bias_ih_l0 + r.bias_hh_l0
-    h = torch.zeros(tokens.shape[0], model.hidden, dtype=drive.dtype)
+    h = torch.zeros(tokens.shape[0], model.hidden, dtype=drive.dtype, device=drive.device)
     out = []
     for t in range(tokens.shape[1]):
         h = torch.tanh(drive[:, t] + h @ w.T)                     # eq. of the RNN, one step
@@ -115,6 +116,7 @@ def train_classifier(model: PatternRNN, task: PatternTask, steps: int, batch: in
     fixed = task.sample(n_seqs, "train", generator) if n_seqs else None
     if fixed is not None and shuffle_labels:
         fixed["label"] = fixed["label"][torch.randperm(n_seqs, generator=generator)]
+    dev = model.table.device
     losses = []
     it = range(steps) if progress is None else progress(range(steps), desc="classifier")
     for _ in it:
@@ -124,7 +126,7 @@ def train_classifier(model: PatternRNN, task: PatternTask, steps: int, batch: in
         else:
             idx = torch.randint(0, n_seqs, (batch,), generator=generator)
             x, y = fixed["tokens"][idx], fixed["label"][idx]
-        loss = F.cross_entropy(model(x), y)
+        loss = F.cross_entropy(model(x.to(dev)), y.to(dev))
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -135,7 +137,8 @@ def train_classifier(model: PatternRNN, task: PatternTask, steps: int, batch: in
 @torch.no_grad()
 def accuracy(model: PatternRNN, batch: dict) -> float:
     """Pattern classification accuracy on a batch from ``task.sample``."""
-    return float((model(batch["tokens"]).argmax(1) == batch["label"]).float().mean())
+    pred = model(batch["tokens"].to(model.table.device)).argmax(1).cpu()
+    return float((pred == batch["label"]).float().mean())
 
 
 def next_token_loss(model: PatternRNN, tokens: torch.Tensor, alphabet: torch.Tensor) -> torch.Tensor:
@@ -144,19 +147,23 @@ def next_token_loss(model: PatternRNN, tokens: torch.Tensor, alphabet: torch.Ten
     Restricting the softmax to the split's alphabet makes the optimal predictor identity-free:
     after ``AB`` it puts 1/3 on A, 1/3 on B and 1/3 spread over the unused tokens.
     """
+    dev = model.table.device
+    tokens, alphabet = tokens.to(dev), alphabet.to(dev)
     logits = model(tokens[:, :-1], candidates=alphabet)          # (n, L-1, |alphabet|)
-    lookup = torch.full((int(alphabet.max()) + 1,), -1, dtype=torch.long)
-    lookup[alphabet] = torch.arange(len(alphabet))
+    lookup = torch.full((int(alphabet.max()) + 1,), -1, dtype=torch.long, device=dev)
+    lookup[alphabet] = torch.arange(len(alphabet), device=dev)
     target = lookup[tokens[:, 1:]]
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
 def train_next_token(model: PatternRNN, task: PatternTask, steps: int, batch: int = 128,
-                     lr: float = 3e-3, eval_every: int = 25, eval_batch: dict | None = None,
+                     lr: float = 3e-3, weight_decay: float = 0.0, eval_every: int = 25,
+                     eval_batch: dict | None = None,
                      generator: torch.Generator | None = None) -> dict:
     """Next-token training on train-token sequences; every ``eval_every`` steps the loss on a
     fixed batch of train-token and of novel-token sequences (the learning curves of C6)."""
-    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
+                            weight_decay=weight_decay)
     ev = eval_batch or {"train": task.sample(512, "train", generator)["tokens"],
                         "novel": task.sample(512, "novel", generator)["tokens"]}
     curve = {"step": [], "train": [], "novel": []}
@@ -268,6 +275,19 @@ def corr(a, b) -> float:
 
 
 # -- scaffolds ---------------------------------------------------------------------------------
+def bulk_edge(w: torch.Tensor) -> float:
+    """Largest singular value expected of an i.i.d. random square matrix with ``w``'s median
+    singular value: the quarter-circle law puts the edge at 2 sigma sqrt(n) and the median at
+    about 0.808 sigma sqrt(n), so edge ~ 2.475 x median. Components above it stand out of the bulk."""
+    return float(2.475 * torch.linalg.svdvals(w.detach().double()).median())
+
+
+def n_outliers(w: torch.Tensor, margin: float = 1.1) -> int:
+    """Number of singular values above ``margin`` x :func:`bulk_edge` (the effective low rank)."""
+    s = torch.linalg.svdvals(w.detach().double())
+    return int((s > margin * bulk_edge(w)).sum())
+
+
 def scaffold(w: torch.Tensor, rank: int, norm: float | None = None) -> torch.Tensor:
     """The leading rank-``rank`` part ``sum_{i<rank} s_i u_i v_i^T`` of ``w``; rescaled to Frobenius
     norm ``norm`` when given (the equal-norm control scaffold)."""
@@ -281,5 +301,5 @@ def scaffold(w: torch.Tensor, rank: int, norm: float | None = None) -> torch.Ten
 def add_scaffold(model: PatternRNN, part: torch.Tensor) -> PatternRNN:
     """Initialise ``W_hh <- W_hh + part`` (the fresh random init plus the transferred scaffold)."""
     with torch.no_grad():
-        model.rnn.weight_hh_l0.add_(part)
+        model.rnn.weight_hh_l0.add_(part.to(model.rnn.weight_hh_l0.device))
     return model

@@ -1,0 +1,139 @@
+"""Quantization primitives: RTN error bound, GPTQ vs RTN, GPTQ(H=I) == RTN, QuantLinear, GGUF."""
+import numpy as np
+import pytest
+import torch
+
+from workbench import quant as Q
+
+
+def _w(out=24, cols=64, seed=0):
+    return torch.randn(out, cols, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_rtn_error_bound(bits, sym):
+    w = _w()
+    q = Q.rtn(w, bits, 16, sym)
+    err = (q.dequantize() - w).abs()
+    bound = Q.expand_groups(q.scale, 16, w.shape[1]) / 2 + 1e-6
+    assert torch.all(err <= bound)
+    assert q.codes.min() >= 0 and q.codes.max() <= 2 ** bits - 1
+    # error shrinks with bits
+    if bits < 8:
+        assert (Q.rtn(w, bits + 1, 16, sym).dequantize() - w).pow(2).mean() < err.pow(2).mean()
+
+
+def test_symmetric_grid_levels():
+    q = Q.rtn(_w(), 3, 32, sym=True)
+    lv = q.level_index
+    assert lv.min() >= -4 and lv.max() <= 3
+    assert torch.allclose(q.dequantize(), Q.expand_groups(q.scale, 32, 64) * lv.float())
+
+
+def test_gptq_identity_hessian_is_rtn():
+    w = _w(16, 128)
+    for sym in (True, False):
+        for g in (32, -1):
+            a, b = Q.rtn(w, 3, g, sym), Q.gptq(w, torch.eye(128), 3, g, sym, blocksize=64)
+            assert torch.equal(a.codes, b.codes)
+            assert torch.allclose(a.scale, b.scale) and torch.equal(a.zero, b.zero)
+
+
+def test_gptq_beats_rtn_on_its_calibration_data():
+    gen = torch.Generator().manual_seed(1)
+    X = torch.randn(1024, 64, generator=gen) @ torch.randn(64, 64, generator=gen)
+    X[:, 5] = 0                                            # a dead input column
+    H = 2 / len(X) * X.T @ X
+    w = _w(32, 64)
+    for bits in (2, 3, 4):
+        r, g = Q.rtn(w, bits, 16), Q.gptq(w, H, bits, 16, blocksize=32)
+        e_r = ((r.dequantize() - w) @ X.T).pow(2).sum()
+        e_g = ((g.dequantize() - w) @ X.T).pow(2).sum()
+        assert e_g < 0.8 * e_r, (bits, e_g, e_r)
+        assert Q.output_error(w, g.dequantize(), H) == pytest.approx(
+            2 / len(X) * float(e_g), rel=1e-3)
+
+
+def test_hessian_collector():
+    lin = torch.nn.Linear(8, 4)
+    X = torch.randn(3, 5, 8)
+    col = Q.HessianCollector({"l": lin})
+    lin(X)
+    col.remove()
+    x = X.reshape(-1, 8)
+    assert torch.allclose(col.hessians()["l"], 2 / 15 * x.T @ x, atol=1e-5)
+
+
+def test_quantlinear_matches_dequantized_and_scales_are_parameters():
+    lin = torch.nn.Linear(64, 8)
+    ql = Q.QuantLinear.from_linear(lin, 4, 32)
+    x = torch.randn(5, 64)
+    ref = x @ Q.rtn(lin.weight.detach(), 4, 32).dequantize().T + lin.bias
+    assert torch.allclose(ql(x), ref, atol=1e-5)
+    assert [n for n, _ in ql.named_parameters()] == ["scale", "bias"]
+    assert ql.codes.dtype == torch.int16 and not ql.codes.is_floating_point()
+    ql(x).sum().backward()
+    assert ql.scale.grad is not None and ql.scale.grad.shape == (8, 2)
+
+
+def test_ternary_absmean_and_ste():
+    w = _w().requires_grad_(True)
+    q, gamma = Q.absmean_ternary(w.detach())
+    assert set(q.unique().tolist()) <= {-1.0, 0.0, 1.0}
+    assert torch.isclose(gamma, w.detach().abs().mean())
+    y = Q.ternary_ste(w)
+    assert torch.allclose(y, q * gamma)
+    y.sum().backward()
+    assert torch.equal(w.grad, torch.ones_like(w))          # straight-through
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "TQ2_0", "Q5_1", "F16"])
+def test_gguf_round_trip_bit_exact(tmp_path, qtype):
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 512)).astype(np.float32)
+    raw = Q.gguf_quantize(w, qtype)
+    path = Q.write_gguf(tmp_path / "m.gguf", {"w": (raw, qtype), "norm": w[0]},
+                        metadata={"bits": 4, "note": "test"})
+    back = Q.read_gguf(path)
+    assert back["w"]["qtype"] == qtype and back["w"]["shape"] == (8, 512)
+    assert np.array_equal(back["w"]["raw"], raw)                 # bytes are identical
+    assert np.array_equal(back["w"]["values"], Q.gguf_dequantize(raw, qtype).reshape(8, 512))
+    assert np.array_equal(back["norm"]["values"], w[0])
+    assert Q.gguf_metadata(path)["bits"] == 4
+
+
+def test_our_packers_match_gguf_bytes():
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((4, 256)).astype(np.float32)
+    raw = Q.gguf_quantize(w, "Q4_0")
+    lv, d = Q.unpack_q4_0(raw, 256)
+    assert np.array_equal(Q.pack_q4_0(lv, d), raw)
+    deq = Q.gguf_dequantize(raw, "Q4_0")
+    assert np.array_equal(deq, np.repeat(d.astype(np.float32), 32, 1) * lv)
+    raw8 = Q.gguf_quantize(w, "Q8_0")
+    d8 = raw8.reshape(4, 8, 34)[..., :2].copy().view(np.float16)[..., 0]
+    l8 = raw8.reshape(4, 8, 34)[..., 2:].copy().view(np.int8).reshape(4, 256)
+    assert np.array_equal(Q.pack_q8_0(l8, d8), raw8)
+    rawt = Q.gguf_quantize(w, "TQ2_0")
+    dt = np.abs(w).max(1).astype(np.float16)
+    lt = np.round(Q.gguf_dequantize(rawt, "TQ2_0") / dt.astype(np.float32)[:, None])
+    assert np.array_equal(Q.pack_tq2_0(lt, dt[:, None]), rawt)
+
+
+def test_gguf_refuses_k_quants():
+    with pytest.raises(ValueError, match="cannot quantize"):
+        Q.gguf_quantize(np.zeros((1, 256), np.float32), "Q4_K")
+
+
+def test_model_export_import(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 64))
+    names = ["0.weight"]
+    path = Q.export_model_gguf(model, tmp_path / "s.gguf", "Q4_0", quantize=names)
+    other = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 64))
+    Q.import_model_gguf(other, path)
+    w = model[0].weight.detach().numpy()
+    assert np.array_equal(other[0].weight.detach().numpy(),
+                          Q.gguf_dequantize(Q.gguf_quantize(w, "Q4_0"), "Q4_0"))
+    assert torch.equal(other[1].weight, model[1].weight)
+    assert torch.equal(other[0].bias, model[0].bias)

@@ -1,0 +1,256 @@
+"""GSQ: Gumbel-Softmax scalar quantization (paper 14, ``papers/14-gsq.md``).
+
+Post-training scalar quantization that *learns* which grid level each weight takes. A weight
+row is stored on a symmetric, group-wise scalar grid, ``w_hat_i = s_{g(i)} * l_{c_i}`` with levels
+``l in {-2^(b-1), ..., 2^(b-1) - 1}`` (4 levels at 2 bits, 8 at 3 bits; 3 for ternary) and one
+scale ``s_g`` per group of ``g`` inputs. RTN picks ``c_i`` by rounding, GPTQ by rounding with
+error feedback; GSQ relaxes the discrete choice with a Gumbel-Softmax over the ``K`` levels,
+
+    p_{ik} = softmax_k((z_{ik} + lambda_t G_{ik}) / tau_t),    G ~ Gumbel(0, 1)        (1)
+    w_tilde_i = s_{g(i)} * sum_k p_{ik} l_k                                           (2)
+
+and minimizes the layer-wise reconstruction error on calibration activations,
+
+    L(z, s) = tr((W_tilde - W) H (W_tilde - W)^T) / tr(W H W^T),   H = 2/N X X^T      (3)
+
+jointly over the logits ``z`` (one per weight and level: the relaxation's cardinality equals the
+number of grid levels) and the per-group scales ``s``, while the temperature ``tau_t`` and the
+noise ``lambda_t`` anneal to zero. Then each weight takes its argmax level (exactly on the grid)
+and the scales are re-solved in closed form for those assignments (a ``G x G`` least squares per
+row, eq. 4 in :func:`optimal_scales`). The result is a plain ``Quantized`` (integer codes, scales,
+zero point) that any scalar kernel, or a GGUF Q4_0 file, can hold.
+
+Layer problems of equal shape (e.g. the query/key/value of every block) are solved as one
+batch. Inputs come from the full-precision model (layer-wise, not sequential).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..quant import Quantized, expand_groups, rtn, gptq, output_error
+
+
+@dataclass
+class GSQConfig:
+    """Optimization settings of GSQ (same algorithm at every scale)."""
+    steps: int = 200            # relaxed optimization steps per layer (batch)
+    lr: float = 0.05            # Adam learning rate on the assignment logits z
+    scale_lr: float = 0.01      # Adam learning rate on the log-scales
+    tau_start: float = 1.0      # Gumbel-Softmax temperature at the first step
+    tau_end: float = 0.02       # ... at the last step (geometric schedule)
+    noise: float = 0.5          # Gumbel noise multiplier lambda at the first step (-> 0 linearly)
+    init_margin: float = 3.0    # logit bonus of the initial (GPTQ/RTN) level
+    solve_scales: bool = True   # closed-form scales for the final hard assignment (eq. 4)
+
+
+def temperature(step: int, cfg: GSQConfig) -> float:
+    """Geometric annealing ``tau_t = tau_start (tau_end / tau_start)^(t / (T - 1))``."""
+    frac = step / max(cfg.steps - 1, 1)
+    return cfg.tau_start * (cfg.tau_end / cfg.tau_start) ** frac
+
+
+def relaxed_weight(z, grid, scale_full, tau: float, noise: float = 0.0, generator=None):
+    """Eqs. (1)-(2): the Gumbel-Softmax expectation of the grid, times the per-weight scale."""
+    if noise > 0:
+        u = torch.rand(z.shape, generator=generator).clamp_(1e-9, 1 - 1e-9)
+        z = z - noise * torch.log(-torch.log(u))          # + lambda * Gumbel(0, 1)
+    p = torch.softmax(z / tau, dim=-1)
+    return scale_full * (p @ grid)
+
+
+def optimal_scales(w, H, lv, group_size: int, ridge: float = 1e-8):
+    """Per-group scales minimizing eq. (3) for fixed levels ``lv`` (batched over leading dims).
+
+    Row ``o``'s weight is ``A_o s_o`` with ``A_o`` (in x G) holding the levels of group ``g`` in
+    column ``g``; the error ``(A s - w)^T H (A s - w)`` is minimized by
+
+        (A^T H A) s = A^T H w.                                                         (4)
+    """
+    B, O, I = lv.shape
+    G = I // group_size
+    Hg = H.view(B, I, G, group_size)
+    L = lv.view(B, O, G, group_size)
+    Q = torch.einsum("bihj,bohj->boih", Hg, L)                    # H A per row: (B, O, I, G)
+    M = torch.einsum("bogi,bogih->bogh", L, Q.view(B, O, G, group_size, G))   # A^T H A
+    rhs = torch.einsum("bogi,bogi->bog", L, (w @ H).view(B, O, G, group_size))  # A^T H w
+    M = M + ridge * torch.diagonal(M, dim1=-2, dim2=-1).mean(-1, keepdim=True)[..., None] * \
+        torch.eye(G)
+    return torch.linalg.solve(M.double(), rhs.double().unsqueeze(-1)).squeeze(-1).float()
+
+
+def gsq(w: torch.Tensor, H: torch.Tensor, init: Quantized, cfg: GSQConfig | None = None,
+        generator: torch.Generator | None = None, grid: torch.Tensor | None = None):
+    """GSQ of a batch of same-shape weights ``w`` (B, out, in) with Hessians ``H`` (B, in, in).
+
+    ``init`` holds the starting codes and scales (from RTN, GPTQ or a GGUF file), batched the
+    same way (codes (B, out, in), scale/zero (B, out, G)); the grid is ``codes - zero`` of a
+    symmetric grid unless ``grid`` (the K level values) is given. Returns ``(levels_index,
+    scale, history)``: the chosen level index in ``0..K-1`` per weight, the final scales, and
+    per-step loss, temperature and assignment flips.
+    """
+    cfg = cfg or GSQConfig()
+    B, O, I = w.shape
+    g = init.group_size
+    if grid is None:
+        grid = torch.arange(-(2 ** (init.bits - 1)), 2 ** (init.bits - 1)).float()
+    K = len(grid)
+    lv0 = init.codes.long() - expand_groups3(init.zero, g, I).long()   # signed levels
+    idx0 = lv0 - int(grid[0])                                          # index into grid
+    s0 = init.scale.float().clone()
+    s_full0 = expand_groups3(s0, g, I)
+    # initial logits: a bonus for the starting level plus a distance prior to the others
+    z = -(w.unsqueeze(-1) / s_full0.unsqueeze(-1) - grid) ** 2
+    z.scatter_add_(-1, idx0.unsqueeze(-1), torch.full((B, O, I, 1), cfg.init_margin))
+    z.requires_grad_(True)
+    rho = torch.zeros_like(s0, requires_grad=True)                     # s = s0 * exp(rho)
+    opt = torch.optim.Adam([{"params": [z], "lr": cfg.lr},
+                            {"params": [rho], "lr": cfg.scale_lr}])
+    norm = torch.einsum("boi,bij,boj->b", w, H, w).clamp(min=1e-12)
+    hist = {"loss": [], "tau": [], "flips": []}
+    prev = idx0.clone()
+    for t in range(cfg.steps):
+        tau = temperature(t, cfg)
+        lam = cfg.noise * (1 - t / max(cfg.steps - 1, 1))
+        s_full = expand_groups3(s0 * rho.exp(), g, I)
+        wt = relaxed_weight(z, grid, s_full, tau, lam, generator)
+        d = wt - w
+        loss = (torch.einsum("boi,bij,boj->b", d, H, d) / norm).sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            cur = z.argmax(-1)
+            hist["flips"].append(int((cur != prev).sum()))
+            prev = cur
+        hist["loss"].append(float(loss.detach()) / B)
+        hist["tau"].append(tau)
+    with torch.no_grad():
+        idx = z.argmax(-1)
+        scale = s0 * rho.exp()
+        if cfg.solve_scales:
+            solved = optimal_scales(w, H, grid[idx], g)
+            ok = torch.isfinite(solved) & (solved * s0 > 0)     # keep the sign, never zero
+            scale = torch.where(ok, solved, scale)
+    return idx, scale.detach(), hist
+
+
+def expand_groups3(t: torch.Tensor, group_size: int, cols: int) -> torch.Tensor:
+    """(B, out, G) -> (B, out, in), each group's value repeated ``group_size`` times."""
+    return t.repeat_interleave(group_size, dim=-1)
+
+
+# -- whole-model drivers ----------------------------------------------------------------------
+
+def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
+    """The ``nn.Linear`` layers inside the transformer blocks (embeddings and head stay fp)."""
+    return {n: m for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and ".layers." in n}
+
+
+def by_shape(layers: dict[str, nn.Linear]) -> dict[tuple, list[str]]:
+    """Layer names grouped by weight shape, so equal shapes are solved as one batch."""
+    out: dict[tuple, list[str]] = {}
+    for n, m in layers.items():
+        out.setdefault(tuple(m.weight.shape), []).append(n)
+    return out
+
+
+def quantize_model(model, hessians: dict, method: str, bits: int, group_size: int,
+                   cfg: GSQConfig | None = None, seed: int = 0, init: dict | None = None,
+                   grid: torch.Tensor | None = None):
+    """Quantize every block linear of ``model`` with ``method`` in {rtn, gptq, gsq}.
+
+    Returns ``(weights, info)``: name -> dequantized weight, and per-layer details (the
+    ``Quantized`` result, reconstruction error before/after, GSQ history and seconds). GSQ
+    starts from GPTQ unless ``init`` (name -> Quantized, e.g. a GGUF file's) is given.
+    """
+    layers = linear_layers(model)
+    weights, info = {}, {}
+    gen = torch.Generator().manual_seed(seed)
+    for shape, names in by_shape(layers).items():
+        W = torch.stack([layers[n].weight.detach().float() for n in names])
+        Hs = torch.stack([hessians[n] for n in names])
+        t0 = time.time()
+        if method in ("rtn", "gptq") or (method == "gsq" and init is None):
+            starts = {n: (rtn(layers[n].weight.detach(), bits, group_size) if method == "rtn"
+                          else gptq(layers[n].weight.detach(), hessians[n], bits, group_size))
+                      for n in names}
+        else:
+            starts = {n: init[n] for n in names}
+        t_init = time.time() - t0
+        if method != "gsq":
+            for n in names:
+                q = starts[n]
+                weights[n] = q.dequantize()
+                info[n] = {"q": q, "seconds": t_init / len(names)}
+            continue
+        batch = Quantized(torch.stack([starts[n].codes for n in names]),
+                          torch.stack([starts[n].scale for n in names]),
+                          torch.stack([starts[n].zero for n in names]), bits, group_size)
+        t1 = time.time()
+        idx, scale, hist = gsq(W, Hs, batch, cfg, gen, grid)
+        secs = time.time() - t1
+        gvals = grid if grid is not None else torch.arange(-(2 ** (bits - 1)),
+                                                          2 ** (bits - 1)).float()
+        for j, n in enumerate(names):
+            lv = gvals[idx[j]].round().long()
+            zero = starts[n].zero
+            codes = (lv + expand_groups3(zero, group_size, lv.shape[1]).long()).to(torch.int16)
+            q = Quantized(codes, scale[j], zero, bits, group_size)
+            weights[n] = q.dequantize()
+            info[n] = {"q": q, "levels": lv, "seconds": secs / len(names), "hist": hist,
+                       "batch": len(names), "init": starts[n]}
+    return weights, info
+
+
+class swapped:
+    """Context manager: temporarily put ``weights`` (name -> tensor) into ``model``'s linears."""
+
+    def __init__(self, model, weights: dict):
+        self.model, self.weights, self.saved = model, weights, {}
+
+    def __enter__(self):
+        mods = dict(self.model.named_modules())
+        with torch.no_grad():
+            for n, w in self.weights.items():
+                p = mods[n].weight
+                self.saved[n] = p.detach().clone()
+                p.copy_(w.to(p.dtype))
+        return self.model
+
+    def __exit__(self, *exc):
+        mods = dict(self.model.named_modules())
+        with torch.no_grad():
+            for n, w in self.saved.items():
+                mods[n].weight.copy_(w)
+        return False
+
+
+def layer_errors(model, hessians: dict, weights: dict) -> dict[str, float]:
+    """Relative reconstruction error ``tr(dW H dW^T) / tr(W H W^T)`` of each layer."""
+    layers = linear_layers(model)
+    out = {}
+    for n, wq in weights.items():
+        w = layers[n].weight.detach().float()
+        out[n] = output_error(w, wq, hessians[n]) / output_error(w, torch.zeros_like(w),
+                                                                 hessians[n])
+    return out
+
+
+def gap_closed(ppl_fp: float, ppl_rtn: float, ppl_x: float) -> float:
+    """Fraction of the RTN-to-full-precision perplexity gap that method ``x`` closes."""
+    gap = ppl_rtn - ppl_fp
+    return float("nan") if gap <= 0 else (ppl_rtn - ppl_x) / gap
+
+
+def loglog_slope(x, y) -> float:
+    """Least-squares slope of log y against log x (the scaling exponent)."""
+    lx = torch.tensor([math.log(v) for v in x])
+    ly = torch.tensor([math.log(v) for v in y])
+    lx, ly = lx - lx.mean(), ly - ly.mean()
+    return float((lx * ly).sum() / (lx * lx).sum())
