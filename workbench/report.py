@@ -30,6 +30,7 @@ def collect(root: Path) -> list[dict]:
             "seed": spec.get("seed", met.get("seed")),
             "status": job.get("status", "ok" if met else "unknown"),
             "duration_s": job.get("duration_s", met.get("duration_s")),
+            "run_s": met.get("duration_s"),     # start() to finish(): kernel start excluded
             "error": job.get("error", ""),
             "metrics": met.get("metrics", {}),
             "claims": met.get("claims", []),
@@ -49,6 +50,7 @@ def results_frame(records: list[dict]):
     for r in records:
         row = {"notebook": r["notebook"], "scale": r["scale"], "params": _params_key(r["params"]),
                "seed": r["seed"], "status": r["status"], "duration_s": r["duration_s"],
+               "run_s": r["run_s"],
                "error": r["error"]}
         for k, v in r["metrics"].items():
             if isinstance(v, (int, float, bool)) or v is None:
@@ -168,7 +170,7 @@ def build(root: Path) -> Path:
              "</code>; tables: <a href=results.csv>results.csv</a>, "
              "<a href=aggregate.csv>aggregate.csv</a>.</p>"]
     if not results.empty:
-        cols = [c for c in ("notebook", "params", "seed", "status", "duration_s", "error")
+        cols = [c for c in ("notebook", "params", "seed", "status", "duration_s", "run_s", "error")
                 if c in results]
         parts += ["<h2>Jobs</h2>", _table(results[cols])]
     for nb in sorted({r["notebook"] for r in records}):
