@@ -226,6 +226,28 @@ def probe_accuracy(x, y, seed: int = 0, test_frac: float = 0.5, C: float = 1.0) 
     return float(balanced_accuracy_score(yte, clf.predict(xte)))
 
 
+def fixed_probe(x_fit, y, conditions: dict, seed: int = 0, test_frac: float = 0.5) -> dict:
+    """A decoder fit on the intact network's states, applied to every condition (C4).
+
+    The logistic probe is fit on a random ``1 - test_frac`` of ``x_fit`` (intact states); each
+    ``conditions[name]`` holds the states of the same sequences under an ablation, scored by
+    balanced accuracy on the held-out sequences. This asks whether the network still carries the
+    variable in the code it uses, which is what an ablation of its own weights can erase.
+    """
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.metrics import balanced_accuracy_score
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+    y = np.asarray(y)
+    order = np.random.default_rng(seed).permutation(len(y))
+    n_test = int(round(test_frac * len(y)))
+    te, tr = order[:n_test], order[n_test:]
+    clf = make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000))
+    clf.fit(np.asarray(x_fit, float)[tr], y[tr])
+    return {name: float(balanced_accuracy_score(y[te], clf.predict(np.asarray(x, float)[te])))
+            for name, x in conditions.items()}
+
+
 def prefix_purity(states, prefix, seed: int = 0) -> float:
     """Cluster-vs-prefix purity: k-means with k = number of distinct prefixes, then the fraction
     of states whose cluster's majority prefix is their own (1 = clusters are the tree's nodes)."""

@@ -1,0 +1,187 @@
+"""Unit tests for paper 17: pattern labelling, SVD ablation, probes, the RNN and its helpers."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from workbench import diagnostics as D
+from workbench.data.patterns import (PatternTask, all_patterns, canonical, distinct_indices,
+                                     make_task, transitions)
+from workbench.methods import rnn_abstraction as ra
+
+
+# -- pattern labelling on hand-made sequences --------------------------------------------------
+@pytest.mark.parametrize("seq, pattern", [
+    ([5, 5, 2], "AAB"), ([3, 9, 3], "ABA"), ([1, 4, 4], "ABB"), ([7, 7, 7], "AAA"),
+    ([1, 2, 3], "ABC"), ("ccd", "AAB"), ("eef", "AAB"), ([9, 1, 9, 1], "ABAB"),
+    ([2, 2, 8, 2], "AABA"), ([4, 6, 6, 0], "ABBC")])
+def test_canonical_pattern(seq, pattern):
+    assert canonical(seq) == pattern
+
+
+def test_transitions_hand_made():
+    assert transitions([5, 5, 2]) == [1, 0]
+    assert transitions([3, 9, 3]) == [0, 0]
+    assert transitions([1, 4, 4]) == [0, 1]
+    assert transitions([7, 7, 7, 2]) == [1, 1, 0]
+
+
+def test_pattern_families():
+    assert all_patterns(3) == ("AAA", "AAB", "ABA", "ABB", "ABC")
+    assert len(all_patterns(4)) == 15 and len(all_patterns(5)) == 52      # Bell numbers
+    assert all(canonical(p) == p for p in all_patterns(4))
+
+
+def test_task_labels_hand_made_and_rejects_bad_family():
+    task = PatternTask(all_patterns(3), torch.arange(10), torch.arange(10, 15))
+    assert task.label([5, 5, 2]) == task.patterns.index("AAB")
+    assert task.label([11, 12, 11]) == task.patterns.index("ABA")
+    assert task.prefixes == [("A",), ("AA", "AB"), all_patterns(3)]
+    sub = PatternTask(("AAB", "ABA"), torch.arange(10), torch.arange(10, 15))
+    with pytest.raises(ValueError):
+        sub.label([1, 2, 3])                       # ABC is not in this family
+    with pytest.raises(ValueError):
+        PatternTask(("BAB",), torch.arange(10), torch.arange(10, 15))   # not canonical
+    with pytest.raises(ValueError):
+        PatternTask(("AAB",), torch.arange(10), torch.arange(5, 15))    # overlapping splits
+
+
+@pytest.mark.parametrize("length", [3, 4])
+def test_sampled_sequences_carry_consistent_labels(length):
+    g = torch.Generator().manual_seed(0)
+    task = make_task(30, 10, length, generator=g)
+    for split in ("train", "novel"):
+        b = task.sample(300, split, g)
+        allowed = set(task.tokens(split).tolist())
+        for tok, lab, tr, pre in zip(b["tokens"], b["label"], b["transitions"], b["prefix"]):
+            assert set(tok.tolist()) <= allowed
+            assert canonical(tok) == task.patterns[lab]
+            assert tr.tolist() == transitions(tok)
+            for t in range(length):
+                assert task.prefixes[t][pre[t]] == canonical(tok[:t + 1])
+
+
+def test_distinct_indices_are_distinct_and_uniform():
+    x = distinct_indices(30000, 4, 2, torch.Generator().manual_seed(1))
+    assert (x[:, 0] != x[:, 1]).all() and x.min() >= 0 and x.max() < 4
+    counts = np.unique(x.numpy(), axis=0, return_counts=True)[1]
+    assert len(counts) == 12 and counts.min() > 0.8 * 30000 / 12
+
+
+# -- ablation removes exactly the named component ----------------------------------------------
+@pytest.mark.parametrize("k", [0, 2])
+def test_ablate_singular_removes_exactly_that_component(k):
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(12, 12, generator=g, dtype=torch.float64)
+    u, s, vh = torch.linalg.svd(w)
+    a = D.ablate_singular(w, k)
+    ua, sa, vha = torch.linalg.svd(a)
+    # the named singular value is gone (one zero appears), every other one is untouched
+    expected = torch.cat([s[:k], s[k + 1:], torch.zeros(1, dtype=s.dtype)])
+    assert torch.allclose(sa, expected, atol=1e-10)
+    # and its singular vectors are in the kernel of the ablated matrix
+    assert torch.allclose(a @ vh[k], torch.zeros(12, dtype=w.dtype), atol=1e-10)
+    assert torch.allclose(u[:, k] @ a, torch.zeros(12, dtype=w.dtype), atol=1e-10)
+    # the change is exactly s_k u_k v_k^T
+    assert torch.allclose(w - a, s[k] * torch.outer(u[:, k], vh[k]), atol=1e-10)
+
+
+def test_random_ablation_control_has_equal_norm():
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(10, 10, generator=g, dtype=torch.float64)
+    s = torch.linalg.svdvals(w)
+    d = w - D.ablate_random(w, 0, torch.Generator().manual_seed(0))
+    assert torch.linalg.matrix_rank(d) == 1
+    assert math.isclose(float(d.norm()), float(s[0]), rel_tol=1e-9)
+
+
+def test_scaffold_rank_and_norm():
+    w = torch.randn(16, 16, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    part = ra.scaffold(w, 3)
+    s = torch.linalg.svdvals(w)
+    assert torch.linalg.matrix_rank(part) == 3
+    assert torch.allclose(torch.linalg.svdvals(part)[:3], s[:3])
+    assert math.isclose(float(ra.scaffold(w, 3, norm=2.5).norm()), 2.5, rel_tol=1e-9)
+
+
+def test_outliers_of_a_spiked_random_matrix():
+    g = torch.Generator().manual_seed(6)
+    n = 64
+    noise = torch.randn(n, n, generator=g, dtype=torch.float64) / math.sqrt(n)
+    assert ra.n_outliers(noise) == 0                             # pure bulk: no outliers
+    u = torch.randn(n, 2, generator=g, dtype=torch.float64)
+    spiked = noise + 3 * (u[:, :1] @ u[:, 1:].T) / (u[:, 0].norm() * u[:, 1].norm())
+    assert ra.n_outliers(spiked) == 1
+
+
+# -- probes on a constructed linearly separable set --------------------------------------------
+def test_probe_on_linearly_separable_states():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(400, 8))
+    y = (x @ rng.normal(size=8) > 0).astype(int)
+    assert ra.probe_accuracy(x, y) >= 0.95
+    noise_y = rng.integers(0, 2, 400)
+    assert ra.probe_accuracy(x, noise_y) <= 0.65                  # labels independent of x: chance
+
+
+def test_fixed_probe_transfers_and_detects_erasure():
+    rng = np.random.default_rng(1)
+    y = rng.integers(0, 2, 600)
+    x = rng.normal(size=(600, 5))
+    x[:, 0] += 3 * (2 * y - 1)                                   # the variable lives on axis 0
+    erased = x.copy()
+    erased[:, 0] = rng.normal(size=600)                          # an "ablation" removes it
+    out = ra.fixed_probe(x, y, {"intact": x, "erased": erased})
+    assert out["intact"] >= 0.95 and out["erased"] <= 0.6
+
+
+def test_prefix_purity_and_best_k_on_clear_clusters():
+    rng = np.random.default_rng(2)
+    centers = rng.normal(scale=10, size=(3, 4))
+    lab = rng.integers(0, 3, 300)
+    x = centers[lab] + rng.normal(size=(300, 4))
+    assert ra.prefix_purity(x, lab) == 1.0
+    assert ra.best_k(x, 6) == 3
+    assert ra.prefix_purity(rng.normal(size=(300, 4)), lab) < 0.6
+
+
+# -- the RNN ------------------------------------------------------------------------------------
+def test_states_with_matches_torch_rnn_and_uses_the_given_matrix():
+    g = torch.Generator().manual_seed(7)
+    m = ra.PatternRNN(20, hidden=16, embed_dim=8, n_out=5, generator=g)
+    tok = torch.randint(0, 20, (9, 4), generator=g)
+    with torch.no_grad():
+        assert torch.allclose(ra.states_with(m, tok), m.states(tok), atol=1e-6)
+        zero = ra.states_with(m, tok, torch.zeros(16, 16))
+        r = m.rnn
+        first = torch.tanh(m.table[tok] @ r.weight_ih_l0.T + r.bias_ih_l0 + r.bias_hh_l0)
+        assert torch.allclose(zero, first, atol=1e-6)             # no recurrence: step-wise map
+
+
+def test_input_pathway_is_fixed_and_shared():
+    a = ra.PatternRNN(20, 16, 8, 5, input_seed=3, generator=torch.Generator().manual_seed(0))
+    b = ra.PatternRNN(20, 16, 8, tied=True, input_seed=3, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(a.table, b.table) and torch.equal(a.rnn.weight_ih_l0, b.rnn.weight_ih_l0)
+    assert not torch.equal(a.w_hh, b.w_hh)
+    assert not a.rnn.weight_ih_l0.requires_grad
+    assert "table" not in dict(a.named_parameters())
+
+
+def test_next_token_floor_is_the_entropy_of_the_bayes_predictor():
+    task = PatternTask(("AAB", "ABA"), torch.arange(6), torch.arange(6, 12))
+    # position 2: A (AAB) or one of 5 new tokens (ABA), 1/2 each; position 3: after AA a new
+    # token (1 of 5), after AB the first token again
+    pos2 = -0.5 * math.log(0.5) - 5 * 0.1 * math.log(0.1)
+    expected = (pos2 + 0.5 * math.log(5) + 0.5 * 0) / 2
+    assert math.isclose(ra.optimal_next_token_loss(task, "novel"), expected)
+
+
+def test_classifier_learns_a_tiny_task():
+    g = torch.Generator().manual_seed(8)
+    task = make_task(20, 5, 3, generator=g)
+    m = ra.PatternRNN(task.vocab_size, 24, 16, task.n_classes, generator=g)
+    before = ra.accuracy(m, task.sample(500, "train", g))
+    ra.train_classifier(m, task, 80, 64, 2e-2, generator=g)
+    after = ra.accuracy(m, task.sample(500, "train", g))
+    assert after > max(0.5, before + 0.2)
