@@ -189,7 +189,7 @@ def _same_params(job: Job) -> bool:
 
 
 def run_job(job: Job, timeout: float = 900, resume: bool = False, strict: bool = False,
-            retries: int = 1) -> JobResult:
+            retries: int = 1, threads: int | None = None) -> JobResult:
     """Execute one job in a fresh papermill process; never raises for a notebook's failure."""
     import yaml
     out = Path(job.out)
@@ -201,6 +201,9 @@ def run_job(job: Job, timeout: float = 900, resume: bool = False, strict: bool =
         (out / stale).unlink(missing_ok=True)
     (out / "parameters.yaml").write_text(yaml.safe_dump(job.all_params, sort_keys=False))
     env = dict(os.environ, WORKBENCH_BATCH="1", PYTHONUNBUFFERED="1")
+    if threads:     # parallel jobs share the cores: oversubscribed BLAS threads stall small nets
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            env[var] = str(threads)
     env.pop("WORKBENCH_STRICT", None)
     if strict:
         env["WORKBENCH_STRICT"] = "1"
@@ -254,9 +257,10 @@ def run_batch(jobs: list[Job], n_jobs: int | None = None, timeout: float = 900,
     order of ``jobs`` and every job gets one, whatever the others did."""
     from .progress import progress
     n_jobs = max(1, n_jobs or os.cpu_count() or 1)
+    threads = max(1, (os.cpu_count() or 1) // min(n_jobs, max(1, len(jobs))))
     results: dict[int, JobResult] = {}
     with ThreadPoolExecutor(max_workers=n_jobs) as pool:
-        futures = {pool.submit(run_job, job, timeout, resume, strict): i
+        futures = {pool.submit(run_job, job, timeout, resume, strict, 1, threads): i
                    for i, job in enumerate(jobs)}
         bar = progress(total=len(jobs), desc="jobs", disable=not show_progress)
         for fut in as_completed(futures):
