@@ -4,3 +4,10 @@ import os
 
 os.environ["WORKBENCH_STRICT"] = "1"
 os.environ.setdefault("MPLBACKEND", "Agg")
+
+
+def pytest_configure(config):
+    # Unit tests use tiny tensors: one thread is faster than two fighting over the cores.
+    # (Notebooks run in their own kernels and choose for themselves.)
+    import torch
+    torch.set_num_threads(1)
