@@ -186,16 +186,18 @@ def gptq(w: torch.Tensor, H: torch.Tensor, bits: int, group_size: int = 128, sym
         perm = torch.argsort(torch.diag(H), descending=True)
         W, H = W[:, perm], H[perm][:, perm]
     damp = percdamp * torch.mean(torch.diag(H))
-    H += damp * torch.eye(cols, dtype=H.dtype)
+    H += damp * torch.eye(cols, dtype=H.dtype, device=H.device)
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
     Hinv = Hinv.float()
     g = cols if group_size <= 0 else group_size
-    codes = torch.zeros(rows, cols, dtype=torch.int16)
-    scales, zeros = torch.zeros(rows, cols // g), torch.zeros(rows, cols // g)
+    dev = W.device
+    codes = torch.zeros(rows, cols, dtype=torch.int16, device=dev)
+    scales = torch.zeros(rows, cols // g, device=dev)
+    zeros = torch.zeros(rows, cols // g, device=dev)
     scale = zero = None
     for i1 in range(0, cols, blocksize):
         i2 = min(i1 + blocksize, cols)
-        W1, Err1 = W[:, i1:i2].clone(), torch.zeros(rows, i2 - i1)
+        W1, Err1 = W[:, i1:i2].clone(), torch.zeros(rows, i2 - i1, device=dev)
         Hinv1 = Hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
@@ -231,7 +233,8 @@ class HessianCollector:
         def hook(mod, inputs, output):
             x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).double()
             if self.H[name] is None:
-                self.H[name] = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64)
+                self.H[name] = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64,
+                                           device=x.device)
             self.H[name] += 2 * x.T @ x
             self.n[name] += x.shape[0]
         return hook
@@ -250,8 +253,9 @@ def collect_hessians(model: nn.Module, modules: dict[str, nn.Module], batches,
     col = HessianCollector(modules)
     try:
         with torch.no_grad():
+            dev = next(model.parameters()).device
             for i in range(0, len(batches), batch_size):
-                model(input_ids=batches[i: i + batch_size])
+                model(input_ids=batches[i: i + batch_size].to(dev))
     finally:
         col.remove()
     return col.hessians()

@@ -48,11 +48,18 @@ def heldout_text() -> list[str]:
     return list(split()[1].values())
 
 
-def task_lines(families, n_per_family: int, seed: int, with_steps: bool = False) -> list[str]:
-    """Rendered task examples (prompt + reference completion), shuffled with ``seed``."""
+def task_lines(families, n_per_family: int, seed: int, with_steps: bool = False,
+               easiest: int | None = None) -> list[str]:
+    """Rendered task examples (prompt + reference completion), shuffled with ``seed``.
+
+    ``easiest=k`` spreads each family's examples over its ``k`` easiest difficulties only.
+    """
     lines = []
     for fam in families:
-        lines += [ex.text(with_steps=with_steps) for ex in T.generate(fam, n_per_family, seed)]
+        ds = T.get(fam).difficulties if easiest is None else T.get(fam).difficulties[:easiest]
+        for d in ds:
+            lines += [ex.text(with_steps=with_steps)
+                      for ex in T.generate(fam, -(-n_per_family // len(ds)), seed, d)]
     random.Random(seed).shuffle(lines)
     return lines
 

@@ -39,12 +39,13 @@ from ..quant import Quantized, expand_groups, rtn, gptq, output_error
 class GSQConfig:
     """Optimization settings of GSQ (same algorithm at every scale)."""
     steps: int = 200            # relaxed optimization steps per layer (batch)
-    lr: float = 0.05            # Adam learning rate on the assignment logits z
+    lr: float = 0.05            # Adam learning rate on the logits z (decays linearly to 0)
     scale_lr: float = 0.01      # Adam learning rate on the log-scales
     tau_start: float = 1.0      # Gumbel-Softmax temperature at the first step
     tau_end: float = 0.02       # ... at the last step (geometric schedule)
     noise: float = 0.5          # Gumbel noise multiplier lambda at the first step (-> 0 linearly)
     init_margin: float = 3.0    # logit bonus of the initial (GPTQ/RTN) level
+    percdamp: float = 0.01      # H + percdamp * mean(diag H) I, as GPTQ (calibration noise)
     solve_scales: bool = True   # closed-form scales for the final hard assignment (eq. 4)
 
 
@@ -57,7 +58,7 @@ def temperature(step: int, cfg: GSQConfig) -> float:
 def relaxed_weight(z, grid, scale_full, tau: float, noise: float = 0.0, generator=None):
     """Eqs. (1)-(2): the Gumbel-Softmax expectation of the grid, times the per-weight scale."""
     if noise > 0:
-        u = torch.rand(z.shape, generator=generator).clamp_(1e-9, 1 - 1e-9)
+        u = torch.rand(z.shape, generator=generator, device=z.device).clamp_(1e-9, 1 - 1e-9)
         z = z - noise * torch.log(-torch.log(u))          # + lambda * Gumbel(0, 1)
     p = torch.softmax(z / tau, dim=-1)
     return scale_full * (p @ grid)
@@ -79,7 +80,7 @@ def optimal_scales(w, H, lv, group_size: int, ridge: float = 1e-8):
     M = torch.einsum("bogi,bogih->bogh", L, Q.view(B, O, G, group_size, G))   # A^T H A
     rhs = torch.einsum("bogi,bogi->bog", L, (w @ H).view(B, O, G, group_size))  # A^T H w
     M = M + ridge * torch.diagonal(M, dim1=-2, dim2=-1).mean(-1, keepdim=True)[..., None] * \
-        torch.eye(G)
+        torch.eye(G, device=M.device)
     return torch.linalg.solve(M.double(), rhs.double().unsqueeze(-1)).squeeze(-1).float()
 
 
@@ -92,51 +93,78 @@ def gsq(w: torch.Tensor, H: torch.Tensor, init: Quantized, cfg: GSQConfig | None
     symmetric grid unless ``grid`` (the K level values) is given. Returns ``(levels_index,
     scale, history)``: the chosen level index in ``0..K-1`` per weight, the final scales, and
     per-step loss, temperature and assignment flips.
+
+    The gradients of eq. (3) are written out (the softmax Jacobian in closed form) and Adam is
+    applied by hand: on a CPU this is several times faster than autograd over the (K, B, out,
+    in) logits, and it is the same algorithm.
     """
     cfg = cfg or GSQConfig()
     B, O, I = w.shape
     g = init.group_size
     if grid is None:
         grid = torch.arange(-(2 ** (init.bits - 1)), 2 ** (init.bits - 1)).float()
+    grid = grid.to(w.device)
     K = len(grid)
+    if cfg.percdamp > 0:                     # the damping GPTQ applies to the same H
+        diag = torch.diagonal(H, dim1=-2, dim2=-1)
+        H = H + cfg.percdamp * diag.mean(-1).view(B, 1, 1) * torch.eye(I, device=H.device)
+    gk = grid.view(K, 1, 1, 1)
     lv0 = init.codes.long() - expand_groups3(init.zero, g, I).long()   # signed levels
     idx0 = lv0 - int(grid[0])                                          # index into grid
     s0 = init.scale.float().clone()
-    s_full0 = expand_groups3(s0, g, I)
-    # initial logits: a bonus for the starting level plus a distance prior to the others
-    z = -(w.unsqueeze(-1) / s_full0.unsqueeze(-1) - grid) ** 2
-    z.scatter_add_(-1, idx0.unsqueeze(-1), torch.full((B, O, I, 1), cfg.init_margin))
-    z.requires_grad_(True)
-    rho = torch.zeros_like(s0, requires_grad=True)                     # s = s0 * exp(rho)
-    opt = torch.optim.Adam([{"params": [z], "lr": cfg.lr},
-                            {"params": [rho], "lr": cfg.scale_lr}])
-    norm = torch.einsum("boi,bij,boj->b", w, H, w).clamp(min=1e-12)
+    # initial logits (K first: softmax over a leading dim is fast): a bonus for the starting
+    # level plus a distance prior -(w/s - l_k)^2 to the others
+    z = -(w / expand_groups3(s0, g, I) - gk) ** 2
+    z.scatter_add_(0, idx0.unsqueeze(0),
+                   torch.full((1, B, O, I), cfg.init_margin, device=w.device))
+    rho = torch.zeros_like(s0)                                         # s = s0 * exp(rho)
+    state = {"z": [torch.zeros_like(z), torch.zeros_like(z)],
+             "rho": [torch.zeros_like(rho), torch.zeros_like(rho)]}
+    b1, b2, eps = 0.9, 0.999, 1e-8
+
+    def adam(x, grad, key, lr, t):
+        m, v = state[key]
+        m.mul_(b1).add_(grad, alpha=1 - b1)
+        v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        denom = (v / (1 - b2 ** t)).sqrt_().add_(eps)
+        x.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
+
+    norm = torch.einsum("boi,bij,boj->b", w, H, w).clamp(min=1e-12).view(B, 1, 1)
     hist = {"loss": [], "tau": [], "flips": []}
     prev = idx0.clone()
+    half = max(cfg.steps // 2, 1)
     for t in range(cfg.steps):
         tau = temperature(t, cfg)
-        lam = cfg.noise * (1 - t / max(cfg.steps - 1, 1))
+        lam = cfg.noise * max(0.0, 1 - t / half)                      # noise off mid-way
+        zz = z
+        if lam > 0:
+            u = torch.rand(z.shape, generator=generator, device=z.device).clamp_(1e-9, 1 - 1e-9)
+            zz = z - lam * torch.log(-torch.log(u))                    # eq. (1): + Gumbel
+        p = torch.softmax(zz / tau, dim=0)
+        E = (p * gk).sum(0)                                            # expected level
         s_full = expand_groups3(s0 * rho.exp(), g, I)
-        wt = relaxed_weight(z, grid, s_full, tau, lam, generator)
-        d = wt - w
-        loss = (torch.einsum("boi,bij,boj->b", d, H, d) / norm).sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        with torch.no_grad():
-            cur = z.argmax(-1)
-            hist["flips"].append(int((cur != prev).sum()))
-            prev = cur
-        hist["loss"].append(float(loss.detach()) / B)
+        d = s_full * E - w                                             # eq. (2) minus W
+        dH = torch.bmm(d, H)
+        loss = (dH * d).sum((1, 2), keepdim=True) / norm               # eq. (3), per layer
+        gw = 2 * dH / norm                                             # dL / dW_tilde
+        gws = gw * s_full
+        grho = (gws * E).view(B, O, I // g, g).sum(-1)                 # dL / d rho
+        gz = p.mul_(gk - E).mul_(gws / tau)                            # softmax Jacobian
+        decay = 1 - t / cfg.steps                                      # linear lr decay
+        adam(z, gz, "z", cfg.lr * decay, t + 1)
+        adam(rho, grho, "rho", cfg.scale_lr * decay, t + 1)
+        cur = z.argmax(0)
+        hist["flips"].append(int((cur != prev).sum()))
+        prev = cur
+        hist["loss"].append(float(loss.mean()))
         hist["tau"].append(tau)
-    with torch.no_grad():
-        idx = z.argmax(-1)
-        scale = s0 * rho.exp()
-        if cfg.solve_scales:
-            solved = optimal_scales(w, H, grid[idx], g)
-            ok = torch.isfinite(solved) & (solved * s0 > 0)     # keep the sign, never zero
-            scale = torch.where(ok, solved, scale)
-    return idx, scale.detach(), hist
+    idx = z.argmax(0)
+    scale = s0 * rho.exp()
+    if cfg.solve_scales:
+        solved = optimal_scales(w, H, grid[idx], g)
+        ok = torch.isfinite(solved) & (solved * s0 > 0)        # keep the sign, never zero
+        scale = torch.where(ok, solved, scale)
+    return idx, scale, hist
 
 
 def expand_groups3(t: torch.Tensor, group_size: int, cols: int) -> torch.Tensor:
@@ -171,7 +199,8 @@ def quantize_model(model, hessians: dict, method: str, bits: int, group_size: in
     """
     layers = linear_layers(model)
     weights, info = {}, {}
-    gen = torch.Generator().manual_seed(seed)
+    dev = next(model.parameters()).device
+    gen = torch.Generator(device=dev).manual_seed(seed)
     for shape, names in by_shape(layers).items():
         W = torch.stack([layers[n].weight.detach().float() for n in names])
         Hs = torch.stack([hessians[n] for n in names])
@@ -195,8 +224,8 @@ def quantize_model(model, hessians: dict, method: str, bits: int, group_size: in
         t1 = time.time()
         idx, scale, hist = gsq(W, Hs, batch, cfg, gen, grid)
         secs = time.time() - t1
-        gvals = grid if grid is not None else torch.arange(-(2 ** (bits - 1)),
-                                                          2 ** (bits - 1)).float()
+        gvals = (grid if grid is not None else torch.arange(-(2 ** (bits - 1)),
+                                                           2 ** (bits - 1)).float()).to(dev)
         for j, n in enumerate(names):
             lv = gvals[idx[j]].round().long()
             zero = starts[n].zero

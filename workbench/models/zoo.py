@@ -41,7 +41,7 @@ class Size:
     d_ff: int = 384             # MLP width (a multiple of 32, so GGUF blocks fit)
     ctx: int = 64               # training context, tokens
     vocab: int = 512            # BPE vocabulary
-    steps: int = 300            # optimizer steps
+    steps: int = 400            # optimizer steps
     batch: int = 16             # sequences per step
     lr: float = 3e-3            # peak AdamW learning rate (cosine decay, linear warm-up)
     warmup: int = 30            # warm-up steps
@@ -58,6 +58,7 @@ class Recipe:
     train_tasks: tuple[str, ...] = ("add", "reverse", "sort", "kv", "count", "pattern")
     task_fraction: float = 0.5                # share of training sequences that are task text
     with_steps: bool = False                  # render chain-of-thought steps in task text
+    easiest: int | None = 1                   # train/evaluate the k easiest difficulties only
     seed: int = 0                             # the build seed (independent of notebook seeds)
     smoke: Size = field(default_factory=Size)
     full: Size = field(default_factory=lambda: Size(
@@ -227,16 +228,36 @@ def make_model(arch: str, s: Size, tok):
     raise ValueError(f"unknown architecture {arch!r}; choose llama, qwen2 or gpt2")
 
 
-def _task_stream(r: Recipe, s: Size, tok) -> list[int]:
-    """Rendered task examples of the trained families, each ``<bos> text <eos>``, as one stream."""
-    from ..data import corpus
-    lines = corpus.task_lines(r.train_tasks, s.n_task_examples, seed=r.seed + 1,
-                              with_steps=r.with_steps)
-    enc = tok(lines, add_special_tokens=False)["input_ids"]
-    ids: list[int] = []
-    for e in enc:
-        ids += [tok.bos_token_id] + e + [tok.eos_token_id]
-    return ids
+def _task_rows(r: Recipe, s: Size, tok):
+    """Task examples packed into ``ctx``-token rows, ``<bos> prompt completion <eos>`` each.
+
+    Returns ``(ids, labels)`` (rows, ctx): labels are -100 on ``<bos>``, prompt and padding, so
+    task rows train the completions only (their prompts are random and carry no signal).
+    """
+    import torch
+    from ..data import corpus, tasks
+    exs = []
+    for fam in r.train_tasks:
+        for d in _difficulties(fam, r.easiest):
+            exs += tasks.generate(fam, -(-s.n_task_examples // len(_difficulties(fam, r.easiest))),
+                                  r.seed + 1, d)
+    import random
+    random.Random(r.seed + 1).shuffle(exs)
+    prompts = tok([e.prompt for e in exs], add_special_tokens=False)["input_ids"]
+    comps = tok([e.completion(r.with_steps) for e in exs], add_special_tokens=False)["input_ids"]
+    rows, labels, cur, lab = [], [], [], []
+    for p, c in zip(prompts, comps):
+        seq = [tok.bos_token_id] + p + c + [tok.eos_token_id]
+        sl = [-100] * (1 + len(p)) + c + [tok.eos_token_id]
+        if len(seq) > s.ctx:
+            continue
+        if len(cur) + len(seq) > s.ctx:
+            pad = s.ctx - len(cur)
+            rows.append(cur + [tok.pad_token_id] * pad)
+            labels.append(lab + [-100] * pad)
+            cur, lab = [], []
+        cur, lab = cur + seq, lab + sl
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(labels, dtype=torch.long)
 
 
 def _train_and_save(r: Recipe, scale: str, out: Path) -> dict:
@@ -262,8 +283,8 @@ def _train_and_save_inner(r: Recipe, scale: str, out: Path) -> dict:
     sample_lines = corpus.task_lines(ALL_FAMILIES, 100, seed=r.seed + 2, with_steps=True)
     tok = corpus.train_tokenizer(s.vocab, extra_text=sample_lines)
     text_ids = torch.tensor(corpus.encode_documents(tok, corpus.train_text()), dtype=torch.long)
-    task_ids = torch.tensor(_task_stream(r, s, tok) if r.train_tasks else [0] * (s.ctx + 2),
-                            dtype=torch.long)
+    if r.train_tasks:
+        task_x, task_y = _task_rows(r, s, tok)
     model = make_model(r.arch, s, tok).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / s.warmup) * (
@@ -273,20 +294,21 @@ def _train_and_save_inner(r: Recipe, scale: str, out: Path) -> dict:
     losses, tokens = [], 0
     model.train()
     for step in progress(range(s.steps), desc=f"zoo {r.name}/{scale}"):
-        rows = []
-        for src, n in ((text_ids, s.batch - n_task), (task_ids, n_task)):
-            if n:
-                starts = torch.randint(0, len(src) - s.ctx - 1, (n,), generator=g)
-                rows += [src[i: i + s.ctx] for i in starts.tolist()]
-        x = torch.stack(rows).to(device)
-        loss = model(input_ids=x, labels=x).loss
+        starts = torch.randint(0, len(text_ids) - s.ctx - 1, (s.batch - n_task,), generator=g)
+        x = torch.stack([text_ids[i: i + s.ctx] for i in starts.tolist()])
+        y = x.clone()
+        if n_task:
+            pick = torch.randint(0, len(task_x), (n_task,), generator=g)
+            x, y = torch.cat([x, task_x[pick]]), torch.cat([y, task_y[pick]])
+        x, y = x.to(device), y.to(device)
+        loss = model(input_ids=x, labels=y).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         losses.append(float(loss.detach()))
-        tokens += x.numel()
+        tokens += int((x != tok.pad_token_id).sum())       # padding is not seen
     model.eval()
     train_s = time.time() - t0
     card = {
@@ -301,7 +323,9 @@ def _train_and_save_inner(r: Recipe, scale: str, out: Path) -> dict:
         "unigram_ppl": unigram_perplexity(text_ids, corpus.encode_documents(
             tok, corpus.heldout_text()), len(tok)),
         "task_accuracy": {f: task_accuracy(model, tok, f, s.eval_examples, seed=12345,
-                                           with_steps=r.with_steps) for f in ALL_FAMILIES},
+                                           with_steps=r.with_steps, easiest=r.easiest)
+                          for f in ALL_FAMILIES},
+        "task_difficulties": {f: list(_difficulties(f, r.easiest)) for f in ALL_FAMILIES},
         "trained_tasks": list(r.train_tasks),
         "train_seconds": round(train_s, 1), "device": str(device), "build_pid": os.getpid(),
         "zoo_version": ZOO_VERSION,
@@ -359,11 +383,26 @@ def generate(model, tok, prompts: list[str], max_new_tokens: int = 16,
     return outs
 
 
-def task_accuracy(model, tok, family: str, n: int = 50, seed: int = 0,
-                  difficulty: int | None = None, with_steps: bool = False) -> float:
-    """Mean exact-match score of greedy completions on ``n`` examples of ``family``."""
+def _difficulties(family: str, easiest: int | None) -> tuple[int, ...]:
     from ..data import tasks
-    exs = tasks.generate(family, n, seed, difficulty)
+    d = tasks.get(family).difficulties
+    return d if easiest is None else d[:easiest]
+
+
+def task_accuracy(model, tok, family: str, n: int = 50, seed: int = 0,
+                  difficulty: int | None = None, with_steps: bool = False,
+                  easiest: int | None = None) -> float:
+    """Mean exact-match score of greedy completions on ``n`` examples of ``family``.
+
+    ``difficulty`` fixes one difficulty; else ``n`` is spread over the family's ``easiest``
+    difficulties (all when None).
+    """
+    from ..data import tasks
+    if difficulty is not None:
+        exs = tasks.generate(family, n, seed, difficulty)
+    else:
+        ds = _difficulties(family, easiest)
+        exs = [e for d in ds for e in tasks.generate(family, -(-n // len(ds)), seed, d)][:n]
     longest = max(len(tok(e.completion(with_steps), add_special_tokens=False)["input_ids"])
                   for e in exs)
     comps = generate(model, tok, [e.prompt for e in exs], max_new_tokens=longest + 2)

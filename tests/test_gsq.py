@@ -1,0 +1,74 @@
+"""GSQ: hard assignments lie exactly on the grid, the relaxation beats its start, scale solve."""
+import torch
+
+from workbench import quant as Q
+from workbench.methods import gsq as M
+
+
+def _problem(out=16, cols=64, n=512, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(n, cols, generator=g) @ (torch.randn(cols, cols, generator=g) / 8 +
+                                             torch.eye(cols))
+    W = torch.randn(out, cols, generator=g)
+    return W, 2 / n * X.T @ X
+
+
+def _run(W, H, bits, steps=100, init="gptq", seed=0):
+    q0 = Q.gptq(W, H, bits, 32) if init == "gptq" else Q.rtn(W, bits, 32)
+    batch = Q.Quantized(q0.codes[None], q0.scale[None], q0.zero[None], bits, 32)
+    cfg = M.GSQConfig(steps=steps)
+    idx, scale, hist = M.gsq(W[None], H[None], batch, cfg, torch.Generator().manual_seed(seed))
+    return q0, idx[0], scale[0], hist
+
+
+def test_hard_assignment_is_exactly_on_the_grid():
+    W, H = _problem()
+    for bits in (2, 3):
+        q0, idx, scale, _ = _run(W, H, bits, steps=60)
+        grid = Q.levels(bits).float()
+        lv = grid[idx]
+        assert idx.min() >= 0 and idx.max() < 2 ** bits
+        w_hat = Q.expand_groups(scale, 32, 64) * lv
+        # re-quantize with RTN's rounding, using the learned scales: the same codes and tensor
+        codes = Q.quantize_codes(w_hat, scale, q0.zero, bits, 32)
+        assert torch.equal(codes.long() - q0.zero[:, :1].long(), lv.long())
+        assert torch.equal(Q.dequantize(codes, scale, q0.zero, 32), w_hat)
+
+
+def test_gsq_improves_on_its_start_at_low_bits():
+    W, H = _problem(seed=1)
+    for bits, init, factor in ((2, "rtn", 0.9), (2, "gptq", 0.9), (3, "gptq", 0.97)):
+        q0, idx, scale, hist = _run(W, H, bits, init=init)
+        w_hat = Q.expand_groups(scale, 32, 64) * Q.levels(bits).float()[idx]
+        e0 = Q.output_error(W, q0.dequantize(), H)
+        e1 = Q.output_error(W, w_hat, H)
+        assert e1 < factor * e0, (bits, init, e0, e1)
+        assert len(hist["loss"]) == 100 and sum(hist["flips"]) > 0
+
+
+def test_relaxation_anneals_to_the_argmax():
+    z = torch.randn(3, 5, 4)
+    grid = Q.levels(2).float()
+    s = torch.full((3, 5), 0.7)
+    hard = s * grid[z.argmax(-1)]
+    assert torch.allclose(M.relaxed_weight(z, grid, s, tau=1e-4), hard)
+    cfg = M.GSQConfig(steps=11, tau_start=1.0, tau_end=0.01)
+    assert M.temperature(0, cfg) == 1.0 and abs(M.temperature(10, cfg) - 0.01) < 1e-12
+
+
+def test_optimal_scales_match_least_squares():
+    W, H = _problem(out=3, cols=64)
+    lv = torch.randint(-2, 2, (1, 3, 64)).float()
+    s = M.optimal_scales(W[None], H[None], lv, 16)[0]
+    L = torch.linalg.cholesky(H.double())                     # H = L L^T
+    for o in range(3):
+        A = torch.zeros(64, 4, dtype=torch.float64)
+        for gi in range(4):
+            A[gi * 16:(gi + 1) * 16, gi] = lv[0, o, gi * 16:(gi + 1) * 16]
+        ref = torch.linalg.lstsq(L.T @ A, L.T @ W[o].double()).solution
+        assert torch.allclose(s[o].double(), ref, rtol=1e-3, atol=1e-5)
+
+
+def test_helpers():
+    assert M.gap_closed(10.0, 20.0, 12.0) == 0.8
+    assert abs(M.loglog_slope([1, 2, 4, 8], [3, 6, 12, 24]) - 1.0) < 1e-6
