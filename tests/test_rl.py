@@ -10,15 +10,6 @@ from workbench.rl.envs import finished_episodes
 from workbench.rl.ppo import PPOSettings, train_ppo
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny networks: one intra-op thread is much faster on a shared CPU (restored afterwards)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_unknown_env_id_lists_the_choices():
     with pytest.raises(ValueError, match="CartPole-v1.*MinAtar/Breakout-v1.*ALE/Breakout-v5"):
         check_env_id("Breakout")
