@@ -8,15 +8,6 @@ from torch import nn
 from workbench.methods import hadamard as hr
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny networks: one intra-op thread is much faster on a shared CPU (restored afterwards)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def n_params(m: nn.Module) -> int:
     return sum(p.numel() for p in m.parameters())
 
