@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from workbench.data import classification
 from workbench.methods import nfi
 
 
@@ -131,7 +132,7 @@ def test_global_means():
 
 # -- the trainer ---------------------------------------------------------------------------------
 def test_trainer_variants_start_identical_and_track_everything():
-    task = nfi.modular_addition(p=7, train_frac=0.6, seed=0)
+    task = classification.modular_addition(p=7, train_frac=0.6, seed=0)
     cfg = nfi.TrainConfig(steps=5, hidden=16, eval_every=2)
     init = nfi.init_model(task, cfg, seed=0)
     runs = {v: nfi.train(task, cfg, v, init) for v in nfi.VARIANTS}

@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils import get_total_norm
 
+from workbench.data.classification import Task
 from workbench.diagnostics import Tracker, growth_rate
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -257,43 +258,6 @@ def detect_spikes(loss, window: int = 50, min_rise: float = 2.0, min_loss: float
         return np.zeros(0, int)
     runs = np.split(flagged, np.flatnonzero(np.diff(flagged) > window) + 1)
     return np.asarray([r[0] + int(np.argmax(y[r[0]:r[-1] + 1])) for r in runs], int)
-
-
-# -- tasks ---------------------------------------------------------------------------------------
-@dataclass
-class Task:
-    """A classification task held in memory, full batch: inputs float32, labels int64."""
-    name: str
-    x_train: torch.Tensor
-    y_train: torch.Tensor
-    x_test: torch.Tensor
-    y_test: torch.Tensor
-    num_classes: int
-
-
-def modular_addition(p: int = 23, train_frac: float = 0.5, seed: int = 0) -> Task:
-    """(a + b) mod p for all p^2 pairs, inputs one-hot(a) ++ one-hot(b); a seeded random split."""
-    a, b = torch.meshgrid(torch.arange(p), torch.arange(p), indexing="ij")
-    a, b = a.flatten(), b.flatten()
-    x = torch.cat([F.one_hot(a, p), F.one_hot(b, p)], 1).float()
-    y = (a + b) % p
-    perm = torch.randperm(p * p, generator=torch.Generator().manual_seed(seed))
-    n = int(round(train_frac * p * p))
-    return Task(f"mod-add-{p}", x[perm[:n]], y[perm[:n]], x[perm[n:]], y[perm[n:]], p)
-
-
-def digits(train_frac: float = 0.5, seed: int = 0, n_max: int | None = None) -> Task:
-    """scikit-learn's 8x8 handwritten digits (1797 images, shipped with the package), pixels / 16;
-    ``n_max`` keeps a seeded subset."""
-    from sklearn.datasets import load_digits
-    d = load_digits()
-    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(d.target, dtype=torch.long)
-    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-    if n_max:
-        perm = perm[:n_max]
-    n = int(round(train_frac * len(perm)))
-    return Task("digits", x[perm[:n]], y[perm[:n]], x[perm[n:]], y[perm[n:]], 10)
 
 
 # -- model and trainer ---------------------------------------------------------------------------
