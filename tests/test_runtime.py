@@ -94,3 +94,15 @@ def test_default_run_dir_is_interactive(tmp_path, monkeypatch):
 def test_show_prints_source(capsys):
     workbench.show(pick_device)
     assert "def pick_device" in capsys.readouterr().out
+
+
+def test_set_threads_is_recorded(tmp_path):
+    run = workbench.start("00-test", out_dir=tmp_path)
+    before = torch.get_num_threads()
+    try:
+        run.set_threads(1)
+        assert torch.get_num_threads() == 1 and run.determinism["torch_threads"] == 1
+        run.set_threads(0)                      # 0 keeps what is set
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
