@@ -72,6 +72,11 @@ def test_recipes_and_keys():
         zoo.load("no-such-model")
     with pytest.raises(ValueError):
         r.size("huge")
+    # the training mix is part of the key, and lm-tiny leans on a few families so one is solved
+    from dataclasses import replace
+    assert replace(r, task_weights=None).key("smoke") != r.key("smoke")
+    assert r.task_weights is not None and len(r.task_weights) == len(r.train_tasks)
+    assert max(r.task_weights) >= 2 * min(r.task_weights)
 
 
 def test_import_is_cheap():

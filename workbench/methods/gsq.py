@@ -136,12 +136,14 @@ def gsq(w: torch.Tensor, H: torch.Tensor, init: Quantized, cfg: GSQConfig | None
     for t in range(cfg.steps):
         tau = temperature(t, cfg)
         lam = cfg.noise * max(0.0, 1 - t / half)                      # noise off mid-way
-        zz = z
-        if lam > 0:
-            u = torch.rand(z.shape, generator=generator, device=z.device).clamp_(1e-9, 1 - 1e-9)
-            zz = z - lam * torch.log(-torch.log(u))                    # eq. (1): + Gumbel
-        p = torch.softmax(zz / tau, dim=0)
-        E = (p * gk).sum(0)                                            # expected level
+        if lam > 0:                       # eq. (1): + lambda Gumbel, Gumbel = -log Exp(1)
+            e = torch.empty_like(z).exponential_(generator=generator).clamp_(min=1e-20)
+            zz = e.log_().mul_(-lam).add_(z).div_(tau)
+        else:
+            zz = z / tau
+        p = torch.softmax(zz, dim=0)
+        del zz
+        E = torch.tensordot(grid, p, dims=1)                           # expected level
         s_full = expand_groups3(s0 * rho.exp(), g, I)
         d = s_full * E - w                                             # eq. (2) minus W
         dH = torch.bmm(d, H)
