@@ -45,7 +45,7 @@ def discover(directory: Path | None = None) -> list[NotebookInfo]:
             if title == path.stem:
                 head = re.search(r"^#\s+(.+)$", src, re.M)
                 if head:
-                    title = head.group(1).strip()
+                    title = re.sub(r"^\d+\s*[·.:-]\s*", "", head.group(1).strip())  # "12 · X"
             for a, b in CLAIM_RE.findall(src):
                 cid = a or b
                 if cid not in claims:
