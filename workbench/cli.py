@@ -149,7 +149,11 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     handler = {"list": cmd_list, "run": cmd_run, "report": cmd_report, "zoo": cmd_zoo}
-    return handler[args.command](args)
+    try:
+        return handler[args.command](args)
+    except BrokenPipeError:         # `workbench list | head`: the reader left, which is fine
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
