@@ -122,7 +122,10 @@ def test_cli_rejects_unknown_parameter_of_notebook_12(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2
     assert "12-nfi" in err and "no_such_parameter" in err and "Valid parameters:" in err
-    assert "seed" not in err.split("Valid parameters:")[1].split(",")[0]
+    valid = err.split("Valid parameters:")[1]
+    assert "steps (int" in valid                      # a real knob of notebook 12 is offered
+    for reserved in ("scale (", "seed (", "out_dir ("):  # ...but not what --scale/--seeds/--out set
+        assert reserved not in valid
     assert not out.exists()
 
 

@@ -148,11 +148,10 @@ def plan(notebooks: list[NotebookInfo], out: Path, scale: str = "smoke",
 # -- running -----------------------------------------------------------------------------------
 def _papermill_cmd(job: Job, timeout: float) -> list[str]:
     out = Path(job.out)
-    cmd = [sys.executable, "-m", "papermill", job.path, str(out / f"{job.slug}.ipynb"),
-           "-f", str(out / "parameters.yaml"), "--cwd", str(out), "-k", "python3",
-           "--execution-timeout", str(int(timeout)), "--log-output", "--no-progress-bar",
-           "--request-save-on-cell-execute"]
-    return cmd
+    return [sys.executable, "-m", "papermill", job.path, str(out / f"{job.slug}.ipynb"),
+            "-f", str(out / "parameters.yaml"), "--cwd", str(out), "-k", "python3",
+            "--execution-timeout", str(int(timeout)), "--log-output", "--no-progress-bar",
+            "--request-save-on-cell-execute"]
 
 
 def _last_error(log: str) -> str:
