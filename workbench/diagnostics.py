@@ -154,15 +154,26 @@ def ablate_random(w: torch.Tensor, k=0, generator: torch.Generator | None = None
 
 # -- curvature ---------------------------------------------------------------------------------
 def hutchinson_trace(loss: torch.Tensor, params, n_samples: int = 8,
-                     generator: torch.Generator | None = None) -> float:
+                     generator: torch.Generator | None = None, per_tensor: bool = False):
     """tr(H) ~ mean_v v^T H v, v Rademacher, H v by double backprop (Hutchinson 1989; PyHessian
-    ``hessian.trace``). ``loss`` must have been computed with a graph through ``params``."""
+    ``hessian.trace``). ``loss`` must have been computed with a graph through ``params``.
+
+    ``per_tensor=True`` returns one estimate per tensor of ``params``, of the trace of its
+    diagonal Hessian block, ``tr(H_ii) = E[v_i^T (H v)_i]`` (the other blocks' probes are
+    independent with mean 0): the same probes and double backprops serve every tensor, instead of
+    one graph per tensor.
+    """
+    params = list(params)
+    if per_tensor and not all(p.requires_grad for p in params):
+        raise ValueError("per_tensor=True needs every tensor in params to require grad")
     params = [p for p in params if p.requires_grad]
     grads = torch.autograd.grad(loss, params, create_graph=True)
-    est = 0.0
+    est = [0.0] * len(params)
     for _ in range(n_samples):
         vs = [torch.randint(0, 2, p.shape, generator=generator, device=p.device).to(p.dtype) * 2 - 1
               for p in params]
         hv = torch.autograd.grad(grads, params, grad_outputs=vs, retain_graph=True)
-        est += float(sum((h * v).sum() for h, v in zip(hv, vs)))
-    return est / n_samples
+        for i, (h, v) in enumerate(zip(hv, vs)):
+            est[i] += float((h * v).sum())
+    est = [e / n_samples for e in est]
+    return est if per_tensor else sum(est)

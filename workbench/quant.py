@@ -115,8 +115,12 @@ def absmean_ternary(w: torch.Tensor, eps: float = 1e-5):
 
 
 def ste(x: torch.Tensor, qx: torch.Tensor) -> torch.Tensor:
-    """Straight-through estimator: forward ``qx``, gradient of the identity."""
-    return x + (qx - x).detach()
+    """Straight-through estimator: forward ``qx``, gradient of the identity.
+
+    Written ``qx + (x - x.detach())``: the added term is exactly 0.0, so the forward value is
+    ``qx`` bit for bit (BitNet's ``x + (qx - x).detach()`` can be one float32 rounding off).
+    """
+    return qx.detach() + (x - x.detach())
 
 
 def ternary_ste(w: torch.Tensor) -> torch.Tensor:
