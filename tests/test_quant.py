@@ -137,3 +137,14 @@ def test_model_export_import(tmp_path):
                           Q.gguf_dequantize(Q.gguf_quantize(w, "Q4_0"), "Q4_0"))
     assert torch.equal(other[1].weight, model[1].weight)
     assert torch.equal(other[0].bias, model[0].bias)
+
+
+def test_block_linears_are_the_block_projections_only():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=2, num_attention_heads=2,
+                                         num_key_value_heads=2))
+    layers = Q.block_linears(model)
+    assert len(layers) == 2 * 7                       # q, k, v, o, gate, up, down per block
+    assert "lm_head" not in layers and all(".layers." in n for n in layers)
+    assert all(isinstance(m, torch.nn.Linear) for m in layers.values())

@@ -129,6 +129,15 @@ def ternary_ste(w: torch.Tensor) -> torch.Tensor:
     return ste(w, q * gamma)
 
 
+# -- which layers a quantizer replaces -------------------------------------------------------
+
+def block_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """The ``nn.Linear`` layers inside the transformer blocks (attention and MLP projections) of
+    a zoo LM, by module name; embeddings and the LM head stay in full precision, as usual."""
+    return {n: m for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and (".layers." in n or n.startswith("layers."))}
+
+
 # -- QuantLinear ------------------------------------------------------------------------------
 
 class QuantLinear(nn.Module):

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..quant import Quantized, expand_groups, rtn, gptq, output_error
+from ..quant import Quantized, block_linears, expand_groups, rtn, gptq, output_error
 
 
 @dataclass
@@ -176,12 +176,6 @@ def expand_groups3(t: torch.Tensor, group_size: int, cols: int) -> torch.Tensor:
 
 # -- whole-model drivers ----------------------------------------------------------------------
 
-def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
-    """The ``nn.Linear`` layers inside the transformer blocks (embeddings and head stay fp)."""
-    return {n: m for n, m in model.named_modules()
-            if isinstance(m, nn.Linear) and ".layers." in n}
-
-
 def by_shape(layers: dict[str, nn.Linear]) -> dict[tuple, list[str]]:
     """Layer names grouped by weight shape, so equal shapes are solved as one batch."""
     out: dict[tuple, list[str]] = {}
@@ -199,7 +193,7 @@ def quantize_model(model, hessians: dict, method: str, bits: int, group_size: in
     ``Quantized`` result, reconstruction error before/after, GSQ history and seconds). GSQ
     starts from GPTQ unless ``init`` (name -> Quantized, e.g. a GGUF file's) is given.
     """
-    layers = linear_layers(model)
+    layers = block_linears(model)
     weights, info = {}, {}
     dev = next(model.parameters()).device
     gen = torch.Generator(device=dev).manual_seed(seed)
@@ -264,7 +258,7 @@ class swapped:
 
 def layer_errors(model, hessians: dict, weights: dict) -> dict[str, float]:
     """Relative reconstruction error ``tr(dW H dW^T) / tr(W H W^T)`` of each layer."""
-    layers = linear_layers(model)
+    layers = block_linears(model)
     out = {}
     for n, wq in weights.items():
         w = layers[n].weight.detach().float()

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from ..diagnostics import hutchinson_trace
-from ..quant import absmean_ternary, ste
+from ..quant import absmean_ternary, block_linears, ste
 
 CODEBOOK = (-1.0, 0.0, 1.0)
 MODES = ("fp", "ste", "hestia", "hard")
@@ -265,18 +265,12 @@ class TernaryLinear(nn.Module):
         return f"in={self.weight.shape[1]}, out={self.weight.shape[0]}, mode={self.mode}"
 
 
-def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
-    """The ``nn.Linear`` layers inside the transformer blocks (not the embeddings or the head)."""
-    return {n: m for n, m in model.named_modules()
-            if isinstance(m, nn.Linear) and ".layers." in n}
-
-
 def ternarize(model: nn.Module, mode: str = "ste") -> dict[str, TernaryLinear]:
     """Swap every block linear of ``model`` (in place) for a :class:`TernaryLinear`."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     out = {}
-    for name, lin in linear_layers(model).items():
+    for name, lin in block_linears(model).items():
         parent, attr = name.rsplit(".", 1)
         tl = TernaryLinear(lin, mode)
         setattr(model.get_submodule(parent), attr, tl)
