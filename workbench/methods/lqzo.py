@@ -1,0 +1,503 @@
+"""LQZO: low-rank quantized zeroth-order fine-tuning (paper 02, ``papers/02-lqzo.md``).
+
+A quantized model is fine-tuned without backpropagation. Every block linear layer holds fixed
+integer codes and a trainable per-group scale matrix ``S`` (out x G, :class:`~workbench.quant.
+QuantLinear`); embeddings, RMSNorms and the (tied) ``lm_head`` stay in full precision and frozen.
+The scales move by a two-point (SPSA / MeZO) estimate of the gradient,
+
+    g = (L(S + eps Z) - L(S - eps Z)) / (2 eps),      S <- S - lr * clip(g) * Z          (1)
+
+with the seed trick of MeZO (``princeton-nlp/MeZO`` ``large_models/trainer.py``): ``Z`` is never
+stored, it is regenerated from a per-step seed for the +eps, -2 eps, +eps (restore) passes and
+once more for the update; both losses are computed under ``torch.no_grad()``. As in QZO
+(``maifoundations/QZO``), the directional derivative ``g`` is clipped to ``[-100, 100]`` and
+the scales are clamped to ``>= 1e-7`` after each update.
+
+LQZO changes only how ``Z`` is drawn, per layer (:class:`Perturbation`):
+
+- **Low rank**: ``Z = U V^T / sqrt(r)`` with ``U`` (m x r), ``V`` (n x r) i.i.d. from the law;
+  entries of ``U V^T`` have variance ``r``, so ``E[vec Z vec Z^T] = I`` (the condition every
+  perturbation law must meet for (1) to be unbiased as ``eps -> 0``).
+- **Binary-Aggregated Gaussian (BAG)**: each entry of ``U`` and ``V`` is the normalized aggregate
+  of ``k`` independent Rademacher signs, ``b = (e_1 + ... + e_k) / sqrt(k)``, ``e_i = +-1``
+  (a binomial approximation of a Gaussian). ``E b = 0``, ``E b^2 = 1``, ``E b^4 = 3 - 2/k``
+  (Gaussian: 3; Rademacher, ``k = 1``: 1) and ``|b| <= sqrt(k)``: the higher moments are
+  bounded. It costs one integer draw per entry (``randint(0, 2^k)`` and a popcount table), the
+  same as a Rademacher sign. Why it matters for low rank: ``||Z||^2 = ||u||^2 ||v||^2`` (r = 1)
+  fluctuates with ``Var(b^2) = E b^4 - 1``, and the estimator's second moment
+  ``E[<Z, G>^2 ||Z||^2]`` grows with it.
+- **Isotropy-enhanced estimation**: the scale matrix (out x G, very elongated: G = in / group)
+  is reshaped row-major to a near-square ``a x b`` (``a b = out G``, ``a`` the largest divisor
+  ``<= sqrt(out G)``) before the factorization, and ``Z`` is reshaped back.
+
+Laws: ``gaussian``, ``rademacher``, ``bag``. Full-dimensional Gaussian ``Z`` on the scales is the
+QZO baseline; full-dimensional Gaussian on every fp weight is fp MeZO (the reference ceiling).
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..quant import QuantLinear, block_linears
+
+LAWS = ("gaussian", "rademacher", "bag")
+CLIP = 100.0          # QZO: directional derivative clipped to [-CLIP, CLIP]
+MIN_SCALE = 1e-7      # QZO: scales clamped >= MIN_SCALE
+
+
+# -- perturbation laws ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Perturbation:
+    """How ``Z`` is drawn for one parameter tensor.
+
+    ``rank=None`` is a full-dimensional draw from ``law``; ``rank=r`` the low-rank
+    ``U V^T / sqrt(r)`` of each 2-D tensor (others stay full), optionally after the near-square
+    reshape (``isotropic``). ``bag_k`` is the number of Rademacher signs BAG aggregates.
+    """
+    law: str = "gaussian"
+    rank: int | None = None
+    isotropic: bool = False
+    bag_k: int = 3
+
+    def __post_init__(self):
+        if self.law not in LAWS:
+            raise ValueError(f"law must be one of {LAWS}, got {self.law!r}")
+        if self.rank is not None and self.rank < 1:
+            raise ValueError(f"rank must be >= 1 or None, got {self.rank}")
+        if self.bag_k < 1:
+            raise ValueError(f"bag_k must be >= 1, got {self.bag_k}")
+
+    @property
+    def label(self) -> str:
+        if self.rank is None:
+            return f"full {self.law}"
+        return f"rank-{self.rank} {self.law}" + (" + isotropy" if self.isotropic else "")
+
+
+#: The methods of the notebook: the QZO baseline and the LQZO ablation ladder.
+def ladder(rank: int, bag_k: int = 3) -> dict[str, Perturbation]:
+    """QZO (full Gaussian), low-rank only, + BAG, + isotropy (= full LQZO)."""
+    return {"QZO (Gaussian)": Perturbation("gaussian"),
+            "low-rank": Perturbation("gaussian", rank),
+            "low-rank + BAG": Perturbation("bag", rank, bag_k=bag_k),
+            "LQZO (+ isotropy)": Perturbation("bag", rank, True, bag_k)}
+
+
+_POPCOUNT = {}
+
+
+def sample_law(law: str, shape, generator: torch.Generator, device=None, k: int = 3,
+               dtype=torch.float32) -> torch.Tensor:
+    """i.i.d. entries with mean 0 and variance 1 from ``law`` (see the module docstring)."""
+    device = generator.device if device is None else device
+    if law == "gaussian":
+        return torch.randn(shape, generator=generator, device=device, dtype=dtype)
+    if law == "rademacher":
+        return torch.randint(0, 2, shape, generator=generator, device=device).to(dtype) * 2 - 1
+    if law == "bag":
+        key = (k, device, dtype)
+        table = _POPCOUNT.get(key)
+        if table is None:
+            pop = torch.tensor([bin(i).count("1") for i in range(2 ** k)], device=device)
+            table = _POPCOUNT[key] = ((2 * pop - k) / math.sqrt(k)).to(dtype)
+        bits = torch.randint(0, 2 ** k, shape, generator=generator, device=device)
+        return table[bits]                   # (sum of k signs) / sqrt(k), one draw per entry
+    raise ValueError(f"law must be one of {LAWS}, got {law!r}")
+
+
+def law_moments(law: str, k: int = 3) -> dict[str, float]:
+    """Exact mean, variance and fourth moment of one entry of ``law``."""
+    m4 = {"gaussian": 3.0, "rademacher": 1.0, "bag": 3.0 - 2.0 / k}[law]
+    return {"mean": 0.0, "var": 1.0, "m4": m4}
+
+
+def near_square(numel: int) -> tuple[int, int]:
+    """``(a, b)`` with ``a b = numel`` and ``a <= b`` as close as possible (a the largest divisor
+    of ``numel`` not above ``sqrt(numel)``): the isotropy-enhanced shape."""
+    a = int(math.isqrt(numel))
+    while numel % a:
+        a -= 1
+    return a, numel // a
+
+
+def factor_shape(shape, p: Perturbation) -> tuple[int, int]:
+    """The matrix shape the low-rank factorization works in."""
+    m, n = shape
+    return near_square(m * n) if p.isotropic else (m, n)
+
+
+def sample_direction(shape, p: Perturbation, generator: torch.Generator, device=None,
+                     dtype=torch.float32) -> torch.Tensor:
+    """One perturbation ``Z`` of ``shape`` with ``E[vec Z vec Z^T] = I``.
+
+    Low rank: ``Z = U V^T / sqrt(r)`` in the (possibly reshaped) factor shape, then reshaped
+    back (row-major both ways, so the reshape is a fixed permutation-free relabelling).
+    """
+    shape = tuple(shape)
+    if p.rank is None or len(shape) != 2:
+        return sample_law(p.law, shape, generator, device, p.bag_k, dtype)
+    m, n = factor_shape(shape, p)
+    r = min(p.rank, m, n)
+    UV = sample_law(p.law, (m + n, r), generator, device, p.bag_k, dtype)   # one draw: U; V
+    U, V = UV[:m], UV[m:]
+    return (U @ V.T / math.sqrt(r)).reshape(shape)
+
+
+def sample_batch(n: int, shape, p: Perturbation, generator: torch.Generator) -> torch.Tensor:
+    """``n`` independent draws of :func:`sample_direction` at once, (n, *shape): the same law and
+    structure, vectorized for the estimator-quality analysis (the step itself draws one)."""
+    shape = tuple(shape)
+    dev = generator.device
+    if p.rank is None or len(shape) != 2:
+        return sample_law(p.law, (n, *shape), generator, dev, p.bag_k)
+    m, k = factor_shape(shape, p)
+    r = min(p.rank, m, k)
+    UV = sample_law(p.law, (n, m + k, r), generator, dev, p.bag_k)
+    U, V = UV[:, :m], UV[:, m:]
+    return (U @ V.transpose(1, 2) / math.sqrt(r)).reshape(n, *shape)
+
+
+def directions(params: list[torch.Tensor], p: Perturbation, seed: int):
+    """Yield ``Z`` for each tensor of ``params`` in order, regenerated from ``seed`` alone
+    (MeZO's seed trick: the same seed gives bit-identical directions, nothing is stored)."""
+    dev = params[0].device
+    g = torch.Generator(device=dev).manual_seed(int(seed))
+    for t in params:
+        yield sample_direction(t.shape, p, g, dev, t.dtype)
+
+
+def perturb_(params: list[torch.Tensor], p: Perturbation, seed: int, alpha: float) -> None:
+    """In place ``theta <- theta + alpha Z(seed)``, one layer's ``Z`` alive at a time."""
+    with torch.no_grad():
+        for t, z in zip(params, directions(params, p, seed)):
+            t.add_(z, alpha=alpha)
+
+
+# -- the zeroth-order step --------------------------------------------------------------------
+
+def two_point(loss_fn, params, p: Perturbation, seed: int, eps: float):
+    """MeZO's probe: ``+eps Z``, ``L+``; ``-2 eps Z``, ``L-``; ``+eps Z`` (restored).
+
+    Returns ``(g, L+, L-)`` with ``g = (L+ - L-) / (2 eps)`` (eq. 1), all under ``no_grad``. The
+    restore is exact up to float rounding of three in-place additions (not bit-identical).
+    """
+    with torch.no_grad():
+        perturb_(params, p, seed, eps)
+        lp = loss_fn()
+        perturb_(params, p, seed, -2 * eps)
+        lm = loss_fn()
+        perturb_(params, p, seed, eps)
+    assert lp.grad_fn is None and lm.grad_fn is None and not lp.requires_grad, \
+        "a zeroth-order probe built an autograd graph"
+    return float(lp - lm) / (2 * eps), float(lp), float(lm)
+
+
+def zo_step(loss_fn, params, p: Perturbation, seed: int, eps: float, lr: float,
+            clip: float | None = CLIP, min_scale: float | None = MIN_SCALE,
+            weight_decay: float = 0.0) -> dict:
+    """One ZO-SGD step (eq. 1): probe, then ``theta <- theta - lr (g Z + wd theta)`` with ``Z``
+    regenerated from ``seed`` a fourth time. ``clip`` and ``min_scale`` are QZO's safeguards
+    (use None for fp MeZO on all weights)."""
+    g, lp, lm = two_point(loss_fn, params, p, seed, eps)
+    g_used = max(-clip, min(clip, g)) if clip is not None else g
+    with torch.no_grad():
+        for t, z in zip(params, directions(params, p, seed)):
+            if weight_decay:
+                t.mul_(1 - lr * weight_decay)
+            t.add_(z, alpha=-lr * g_used)
+            if min_scale is not None:
+                t.clamp_(min=min_scale)
+    return {"g": g, "g_clipped": g_used, "loss": 0.5 * (lp + lm), "graph_built": False}
+
+
+def zo_estimate(loss_fn, params, p: Perturbation, seed: int, eps: float) -> list[torch.Tensor]:
+    """The gradient estimate ``g Z`` itself (for comparing with the true gradient)."""
+    g, _, _ = two_point(loss_fn, params, p, seed, eps)
+    return [g * z for z in directions(params, p, seed)]
+
+
+# -- the quantized model ----------------------------------------------------------------------
+
+def quantize(model: nn.Module, bits: int, group_size: int, layers: dict | None = None):
+    """A copy of ``model`` whose block linears are RTN :class:`QuantLinear` (integer codes
+    fixed, scales trainable); every other parameter is frozen. Returns ``(qmodel, scales)``
+    with ``scales`` the name -> scale ``nn.Parameter`` dict, in a fixed order."""
+    q = copy.deepcopy(model)
+    names = list((layers or block_linears(model)).keys())
+    mods = dict(q.named_modules())
+    for name in names:
+        parent, attr = name.rsplit(".", 1)
+        setattr(mods[parent], attr, QuantLinear.from_linear(mods[name], bits, group_size))
+    for prm in q.parameters():
+        prm.requires_grad_(False)
+    scales = {n: m.scale for n, m in q.named_modules() if isinstance(m, QuantLinear)}
+    for s in scales.values():
+        s.requires_grad_(True)
+    return q, scales
+
+
+def codes_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of every integer code buffer (to check they never move)."""
+    return {n: m.codes.clone() for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+# -- task text -------------------------------------------------------------------------------
+
+def task_batch(tok, examples, device=None) -> dict[str, torch.Tensor]:
+    """``<bos> prompt completion <eos>`` rows, right-padded; labels only on the completion
+    and ``<eos>`` (the task loss is the answer's negative log-likelihood)."""
+    prompts = tok([e.prompt for e in examples], add_special_tokens=False)["input_ids"]
+    comps = tok([e.completion() for e in examples], add_special_tokens=False)["input_ids"]
+    T = max(len(p) + len(c) + 2 for p, c in zip(prompts, comps))
+    ids = torch.full((len(examples), T), tok.pad_token_id, dtype=torch.long)
+    labels = torch.full_like(ids, -100)
+    for i, (p, c) in enumerate(zip(prompts, comps)):
+        row = [tok.bos_token_id] + p + c + [tok.eos_token_id]
+        ids[i, :len(row)] = torch.tensor(row)
+        labels[i, 1 + len(p):len(row)] = torch.tensor(c + [tok.eos_token_id])
+    # right padding under a causal mask: pads never influence the labelled positions, so no
+    # attention mask is needed (and HF skips building one)
+    out = {"input_ids": ids, "labels": labels}
+    return {k: v.to(device) for k, v in out.items()} if device is not None else out
+
+
+def problem_split(family: str, difficulty: int, heldout_fraction: float = 0.3,
+                  pool: int = 4000) -> tuple[list, list]:
+    """Disjoint (train, held-out) *problems* of a task family: unique prompts split by a fixed
+    crc32 of the prompt, so no held-out question is ever trained on (at difficulty 1 a family
+    can have only a few dozen distinct problems)."""
+    import zlib
+    from ..data import tasks
+    seen, train, held = set(), [], []
+    for e in tasks.generate(family, pool, seed=4242, difficulty=difficulty):
+        if e.prompt in seen:
+            continue
+        seen.add(e.prompt)
+        (held if zlib.crc32(e.prompt.encode()) % 1000 < heldout_fraction * 1000
+         else train).append(e)
+    if not train or not held:
+        raise ValueError(f"{family} at difficulty {difficulty} has too few distinct problems")
+    return train, held
+
+
+def exact_match(model, tok, examples) -> float:
+    """Greedy-decoding exact-match accuracy with the task registry's verifier."""
+    from ..data import tasks
+    from ..models.zoo import generate
+    longest = max(len(tok(e.completion(), add_special_tokens=False)["input_ids"])
+                  for e in examples)
+    comps = generate(model, tok, [e.prompt for e in examples], max_new_tokens=longest + 2)
+    return sum(tasks.score(e, c) for e, c in zip(examples, comps)) / len(examples)
+
+
+def lm_loss(model, batch: dict) -> torch.Tensor:
+    """Mean next-token cross-entropy on the labelled (answer) tokens."""
+    return model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+
+
+def subset(batch: dict, idx) -> dict:
+    return {k: v[idx] for k, v in batch.items()}
+
+
+# -- the true gradient and estimator quality --------------------------------------------------
+
+def true_gradient(loss_fn, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Autograd gradient of ``loss_fn()`` w.r.t. ``params`` (the reference for comparisons)."""
+    with torch.enable_grad():
+        loss = loss_fn()
+        return [g.detach() for g in torch.autograd.grad(loss, params)]
+
+
+def flat(ts) -> torch.Tensor:
+    return torch.cat([t.reshape(-1).double() for t in ts])
+
+
+def cosine(a, b) -> float:
+    a, b = flat(a), flat(b)
+    return float(a @ b / (a.norm() * b.norm()).clamp(min=1e-300))
+
+
+def estimator_quality(loss_fn, params, p: Perturbation, grad, seeds, eps: float) -> dict:
+    """Cosine to the true gradient and normalized squared error ``||g Z - G||^2 / ||G||^2`` of
+    two-point estimates, one per seed (2 forward passes each)."""
+    G = flat(grad)
+    gn2 = float(G @ G)
+    cos, err = [], []
+    for s in seeds:
+        est = flat(zo_estimate(loss_fn, params, p, s, eps))
+        cos.append(float(est @ G / (est.norm() * G.norm()).clamp(min=1e-300)))
+        err.append(float(((est - G) ** 2).sum()) / gn2)
+    return {"cos": cos, "sq_err": err}
+
+
+def linearized_quality(grad, p: Perturbation, n: int, seed: int) -> dict:
+    """The same statistics in the ``eps -> 0`` limit: ``g = <Z, G>`` exactly, no forward
+    passes, so ``n`` can be large. ``grad`` is a list of tensors perturbed jointly.
+
+    With ``d = <Z, G>``: cosine ``|d| / (||Z|| ||G||)``, squared error
+    ``||d Z - G||^2 / ||G||^2 = (d^2 ||Z||^2 - 2 d^2 + ||G||^2) / ||G||^2``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    d = torch.zeros(n, dtype=torch.float64)
+    z2 = torch.zeros(n, dtype=torch.float64)
+    g2 = 0.0
+    for t in grad:
+        G = t.detach().cpu().double()
+        Z = sample_batch(n, G.shape, p, gen).double()
+        d += (Z * G).reshape(n, -1).sum(1)
+        z2 += (Z ** 2).reshape(n, -1).sum(1)
+        g2 += float((G ** 2).sum())
+    cos = d.abs() / (z2.sqrt() * math.sqrt(g2))
+    err = (d ** 2 * z2 - 2 * d ** 2 + g2) / g2
+    return {"cos": cos.tolist(), "sq_err": err.tolist()}
+
+
+def energy_top(sv: torch.Tensor, k: int) -> float:
+    """Fraction of ``sum sigma^2`` in the top ``k`` singular values."""
+    e = sv.double() ** 2
+    return float(e[:k].sum() / e.sum().clamp(min=1e-300))
+
+
+# -- memory -----------------------------------------------------------------------------------
+
+def tensor_bytes(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+class SavedForBackward:
+    """Counts the bytes autograd saves for backward while active (``saved_tensors_hooks``):
+    the activation memory that separates a backprop step from inference."""
+
+    def __init__(self):
+        self.bytes = 0
+        self.count = 0
+
+    def __enter__(self):
+        def pack(t):
+            self.bytes += t.numel() * t.element_size()
+            self.count += 1
+            return t
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+        return False
+
+
+def memory_profile(model, scales: list[torch.Tensor], loss_fn, zo_fn) -> dict:
+    """Bytes each kind of step must hold, measured the same way for all three.
+
+    ``state``: parameters and buffers of the model. ``saved``: tensors autograd keeps for
+    backward during the step (counted by hooks). ``grads``: gradient buffers of the trained
+    tensors (backprop only). On CUDA also ``torch.cuda.max_memory_allocated`` per step.
+    """
+    state = tensor_bytes(list(model.parameters()) + list(model.buffers()))
+    dev = next(model.parameters()).device
+    out = {}
+
+    def cuda_peak(fn):
+        if dev.type != "cuda":
+            return None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        fn()
+        torch.cuda.synchronize()
+        return int(torch.cuda.max_memory_allocated(dev) - base)
+
+    def infer():
+        with torch.no_grad():
+            loss_fn()
+
+    def backprop():
+        loss = loss_fn()
+        loss.backward()
+
+    for name, fn, grads in (("inference", infer, 0), ("zo_step", zo_fn, 0),
+                            ("backprop", backprop, tensor_bytes(scales))):
+        with SavedForBackward() as sv:
+            peak = cuda_peak(fn)
+            if peak is None:
+                fn()
+        out[name] = {"state": state, "saved": sv.bytes, "grads": grads,
+                     "total": state + sv.bytes + grads, "cuda_peak_extra": peak}
+        for s in scales:
+            s.grad = None
+    return out
+
+
+# -- a tiny ViT on scikit-learn digits ---------------------------------------------------------
+
+class TinyViT(nn.Module):
+    """Pre-norm ViT for 8 x 8 digits: 2 x 2 patches (16 tokens), a class token, learned
+    positions, ``depth`` blocks of multi-head attention and a GELU MLP, a linear head."""
+
+    def __init__(self, dim: int = 32, depth: int = 2, heads: int = 2, mlp: int = 64,
+                 patch: int = 2, n_classes: int = 10):
+        super().__init__()
+        self.patch, n_tok = patch, (8 // patch) ** 2
+        self.embed = nn.Linear(patch * patch, dim)
+        self.cls = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos = nn.Parameter(torch.randn(1, n_tok + 1, dim) * 0.02)
+        self.layers = nn.ModuleList([ViTBlock(dim, heads, mlp) for _ in range(depth)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, n_classes)
+
+    def forward(self, x):                         # x: (B, 8, 8) in [0, 1]
+        B, p = x.shape[0], self.patch
+        t = x.reshape(B, 8 // p, p, 8 // p, p).permute(0, 1, 3, 2, 4).reshape(B, -1, p * p)
+        h = torch.cat([self.cls.expand(B, -1, -1), self.embed(t)], 1) + self.pos
+        for blk in self.layers:
+            h = blk(h)
+        return self.head(self.norm(h[:, 0]))
+
+
+class ViTBlock(nn.Module):
+    def __init__(self, dim, heads, mlp):
+        super().__init__()
+        self.heads = heads
+        self.n1, self.n2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc1, self.fc2 = nn.Linear(dim, mlp), nn.Linear(mlp, dim)
+
+    def forward(self, h):
+        B, T, D = h.shape
+        q, k, v = self.qkv(self.n1(h)).reshape(B, T, 3, self.heads, D // self.heads) \
+            .permute(2, 0, 3, 1, 4)
+        a = nn.functional.scaled_dot_product_attention(q, k, v)
+        h = h + self.proj(a.transpose(1, 2).reshape(B, T, D))
+        return h + self.fc2(nn.functional.gelu(self.fc1(self.n2(h))))
+
+
+def digits_split(seed: int = 0, test_fraction: float = 0.3):
+    """scikit-learn's 8 x 8 digits (1797 images), pixels scaled to [0, 1], stratified split."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+    d = load_digits()
+    x = torch.tensor(d.images / 16.0, dtype=torch.float32)
+    y = torch.tensor(d.target, dtype=torch.long)
+    idx = torch.arange(len(y)).numpy()
+    tr, te = train_test_split(idx, test_size=test_fraction, random_state=seed, stratify=d.target)
+    return x[tr], y[tr], x[te], y[te]
+
+
+def vit_layers(model: TinyViT) -> dict[str, nn.Linear]:
+    """The block linears of the ViT (patch embedding and head stay fp)."""
+    return {n: m for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and n.startswith("layers.")}
+
+
+def accuracy(model, x, y, batch: int = 512) -> float:
+    with torch.no_grad():
+        pred = torch.cat([model(x[i: i + batch]).argmax(-1) for i in range(0, len(x), batch)])
+    return float((pred == y).float().mean())
+
+
+__all__ = [n for n in dir() if not n.startswith("_") and n not in ("annotations", "math", "copy")]
