@@ -24,10 +24,15 @@ def test_hygiene(info):
 def test_parameters_cell_is_literal_and_complete(info):
     nb = json.loads(info.path.read_text())
     (cell,) = [c for c in nb["cells"] if "parameters" in c["metadata"].get("tags", [])]
+    names = []
     for stmt in ast.parse("".join(cell["source"])).body:
         assert isinstance(stmt, (ast.AnnAssign, ast.Assign)), ast.dump(stmt)
         ast.literal_eval(stmt.value)          # literals only: nothing derived here
+        names.append(stmt.target.id if isinstance(stmt, ast.AnnAssign) else stmt.targets[0].id)
     spec = parameters(info.path)
+    # papermill's parser silently drops a line it cannot read (an `=` in a help comment,
+    # an `int | None` annotation): every assignment must survive its inspection
+    assert sorted(spec) == sorted(names)
     assert all(name in spec for name in REQUIRED)
     assert spec["scale"]["default"] == '"smoke"' and spec["seed"]["type"] == "int"
 
