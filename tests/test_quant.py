@@ -148,3 +148,35 @@ def test_block_linears_are_the_block_projections_only():
     assert len(layers) == 2 * 7                       # q, k, v, o, gate, up, down per block
     assert "lm_head" not in layers and all(".layers." in n for n in layers)
     assert all(isinstance(m, torch.nn.Linear) for m in layers.values())
+
+
+def test_q3_k_writer_matches_gguf_dequantizer_bit_exactly(tmp_path):
+    rng = np.random.default_rng(1)
+    lv = rng.integers(-4, 4, (6, 512))
+    lv[0, :16] = -4                                               # both ends of the grid
+    lv[0, 16:32] = 3
+    sc = rng.integers(-32, 32, (6, 32))
+    sc[1, :2] = (-32, 31)
+    d = (rng.random((6, 2)) + 0.01).astype(np.float16)
+    raw = Q.pack_q3_k(lv, sc, d)
+    assert raw.shape == (6, 2 * 110)                              # 110 bytes per 256 weights
+    expect = (np.repeat(d.astype(np.float32), 256, 1) * np.repeat(sc, 16, 1) * lv).astype(np.float32)
+    assert np.array_equal(Q.gguf_dequantize(raw, "Q3_K").reshape(6, 512), expect)
+    path = Q.write_gguf(tmp_path / "k.gguf", {"w": (raw, "Q3_K")})
+    back = Q.read_gguf(path)["w"]
+    assert back["qtype"] == "Q3_K" and np.array_equal(back["raw"], raw)
+    assert np.array_equal(back["values"], expect)
+    with pytest.raises(ValueError, match="levels"):
+        Q.pack_q3_k(lv + 4, sc, d)
+
+
+def test_q3_k_rtn_error_is_within_half_a_step():
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((4, 512)).astype(np.float32)
+    lv, sc, d = Q.q3_k_params(w)
+    step = np.repeat(d.astype(np.float32), 256, 1) * np.repeat(sc.astype(np.float32), 16, 1)
+    w_hat = Q.gguf_dequantize(Q.gguf_quantize(w, "Q3_K"), "Q3_K").reshape(w.shape)
+    assert np.array_equal(w_hat, step * lv)
+    inside = (w / step >= -4) & (w / step <= 3)                   # not clipped at the grid's ends
+    assert np.all(np.abs(w - w_hat)[inside] <= step[inside] / 2 + 1e-6)
+    assert inside.mean() > 0.9

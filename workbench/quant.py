@@ -15,7 +15,9 @@
   Q5_0, Q5_1, Q8_0, TQ1_0, TQ2_0 and BF16 (K-quants are dequantize-only there), so those plus F32
   and F16 are what :func:`write_gguf` can write from floats; :func:`pack_q4_0`, :func:`pack_q8_0`
   and :func:`pack_tq2_0` write given integer codes and scales bit-exactly (what a method that
-  chooses its own codes, like GSQ, needs).
+  chooses its own codes, like GSQ, needs). The K-quant writer is ours: :func:`pack_q3_k` (Q3_K,
+  symmetric 3-bit levels, 6-bit scales per 16 weights, fp16 scale per 256) with an RTN quantizer
+  :func:`q3_k_params`; gguf-py's dequantizer reads it back bit-exactly.
 """
 from __future__ import annotations
 
@@ -331,11 +333,78 @@ def pack_tq2_0(levels: np.ndarray, d: np.ndarray) -> np.ndarray:
     return np.concatenate([qs, dd], axis=-1).reshape(rows, cols // 256 * 66)
 
 
+QK_K = 256          # weights per K-quant super-block (gguf ``constants.QK_K``)
+
+
+def pack_q3_k(levels: np.ndarray, sub_scales: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Q3_K blocks (ggml ``block_q3_K``, 110 bytes per 256 weights) from signed levels in
+    [-4, 3] (rows, in), signed 6-bit sub-block scales in [-32, 31] (rows, in // 16) and fp16
+    super-block scales (rows, in // 256). Weight ``= d * sub_scale * level``: a symmetric scalar
+    grid with groups of 16 whose scales are themselves quantized.
+
+    gguf-py only *dequantizes* K-quants, so this writer is ours; the layout follows its
+    ``Q3_K.dequantize_blocks``: ``hmask`` (32 B, bit ``e // 32`` of byte ``e % 32`` set when
+    element ``e``'s level is >= 0), ``qs`` (64 B, the low two bits of ``level mod 4``: element
+    ``e`` at byte ``32 (e // 128) + e % 32``, shift ``2 ((e % 128) // 32)``), 12 bytes of 6-bit
+    scales stored as ``scale + 32`` (low nibbles in bytes 0-7, ``j`` and ``j + 8`` sharing a byte;
+    the two high bits in bytes 8-11, shift ``2 (j // 4)`` of byte ``8 + j % 4``), then fp16 ``d``.
+    """
+    rows, cols = levels.shape
+    nb = rows * cols // QK_K
+    q = levels.astype(np.int16).reshape(nb, QK_K)
+    if q.min() < -4 or q.max() > 3:
+        raise ValueError("Q3_K levels must lie in [-4, 3]")
+    sc = sub_scales.astype(np.int16).reshape(nb, 16)
+    if sc.min() < -32 or sc.max() > 31:
+        raise ValueError("Q3_K sub-block scales must lie in [-32, 31]")
+    e = np.arange(QK_K)
+    hbit = (q >= 0).astype(np.uint8) << (e // 32).astype(np.uint8)
+    hmask = np.zeros((nb, 32), np.uint8)
+    np.bitwise_or.at(hmask, (slice(None), e % 32), hbit)
+    low = (q & 3).astype(np.uint8) << (2 * ((e % 128) // 32)).astype(np.uint8)
+    qs = np.zeros((nb, 64), np.uint8)
+    np.bitwise_or.at(qs, (slice(None), 32 * (e // 128) + e % 32), low)
+    u = (sc + 32).astype(np.uint8)
+    j = np.arange(16)
+    lo = np.zeros((nb, 8), np.uint8)
+    np.bitwise_or.at(lo, (slice(None), j % 8), (u & 0x0F) << (4 * (j // 8)).astype(np.uint8))
+    hi = np.zeros((nb, 4), np.uint8)
+    np.bitwise_or.at(hi, (slice(None), j % 4), ((u >> 4) & 0x03) << (2 * (j // 4)).astype(np.uint8))
+    dd = d.astype(np.float16).reshape(nb, 1).view(np.uint8)
+    return np.concatenate([hmask, qs, lo, hi, dd], axis=1).reshape(rows, cols // QK_K * 110)
+
+
+def q3_k_params(w: np.ndarray, sub_scale: np.ndarray | None = None):
+    """Round-to-nearest Q3_K of a float (rows, in) weight: ``(levels, sub_scales, d)``.
+
+    Sub-block scales start from ``sub_scale`` (rows, in // 16; default ``max|w| / 4`` per 16
+    weights), are quantized to 6 bits against ``d = max |scale| / 31`` per 256, and the levels are
+    then rounded on the grid those quantized scales give. (llama.cpp's ``quantize_row_q3_K``
+    searches each sub-block scale for least squared error instead; this is the plain RTN version,
+    and :func:`pack_q3_k` writes whichever codes it is given.)
+    """
+    rows, cols = w.shape
+    if cols % QK_K:
+        raise ValueError(f"Q3_K needs in-features divisible by {QK_K}, got {cols}")
+    wb = w.astype(np.float32).reshape(rows, cols // 16, 16)
+    s = np.abs(wb).max(-1) / 4 if sub_scale is None else np.asarray(sub_scale, np.float32)
+    sb = s.reshape(rows, cols // QK_K, 16)
+    d = (np.abs(sb).max(-1) / 31).astype(np.float16)
+    d32 = d.astype(np.float32)[..., None]
+    sc = np.clip(np.round(np.divide(sb, d32, out=np.zeros_like(sb), where=d32 > 0)), -32, 31)
+    eff = (d32 * sc).reshape(rows, cols // 16, 1)
+    lv = np.clip(np.round(np.divide(wb, eff, out=np.zeros_like(wb), where=eff != 0)), -4, 3)
+    return lv.reshape(rows, cols).astype(np.int8), sc.reshape(rows, cols // 16).astype(np.int8), d
+
+
 def gguf_quantize(w: np.ndarray, qtype: str) -> np.ndarray:
-    """gguf-py's own numpy quantizer (one of :data:`GGUF_WRITABLE`); returns the raw blocks."""
+    """gguf-py's own numpy quantizer (one of :data:`GGUF_WRITABLE`), or ours for Q3_K (RTN,
+    :func:`q3_k_params`); returns the raw blocks."""
     import gguf
+    if qtype == "Q3_K":                                   # our writer (gguf-py reads it)
+        return pack_q3_k(*q3_k_params(w))
     if qtype not in GGUF_WRITABLE:
-        raise ValueError(f"gguf-py cannot quantize to {qtype}; it writes {GGUF_WRITABLE}")
+        raise ValueError(f"cannot quantize to {qtype}; writable types: {GGUF_WRITABLE + ('Q3_K',)}")
     if qtype == "F32":
         return np.ascontiguousarray(w, dtype=np.float32)
     if qtype == "F16":
@@ -422,11 +491,11 @@ def export_model_gguf(model: nn.Module, path: str | Path, qtype: str = "Q4_0",
                       metadata: dict | None = None) -> Path:
     """Write every parameter of ``model`` to GGUF, keeping PyTorch names.
 
-    Weights named in ``quantize`` are written as ``qtype``: from ``codes[name] = (levels, d)``
-    when given (bit-exact, e.g. GSQ's assignment), else with gguf-py's quantizer. Everything else
-    is F32. Tied parameters are written once.
+    Weights named in ``quantize`` are written as ``qtype``: from ``codes[name]`` when given
+    (bit-exact, e.g. GSQ's assignment: ``(levels, d)``, or ``(levels, sub_scales, d)`` for Q3_K),
+    else with :func:`gguf_quantize`. Everything else is F32. Tied parameters are written once.
     """
-    packers = {"Q4_0": pack_q4_0, "Q8_0": pack_q8_0, "TQ2_0": pack_tq2_0}
+    packers = {"Q4_0": pack_q4_0, "Q8_0": pack_q8_0, "TQ2_0": pack_tq2_0, "Q3_K": pack_q3_k}
     tensors, seen = {}, set()
     quantize = set(quantize or [])
     for name, p in model.named_parameters():
@@ -436,8 +505,7 @@ def export_model_gguf(model: nn.Module, path: str | Path, qtype: str = "Q4_0",
         arr = p.detach().cpu().float().numpy()
         if name in quantize:
             if codes and name in codes:
-                lv, d = codes[name]
-                tensors[name] = (packers[qtype](np.asarray(lv), np.asarray(d)), qtype)
+                tensors[name] = (packers[qtype](*map(np.asarray, codes[name])), qtype)
             else:
                 tensors[name] = (gguf_quantize(arr, qtype), qtype)
         else:
