@@ -168,6 +168,8 @@ def test_q3_k_writer_matches_gguf_dequantizer_bit_exactly(tmp_path):
     assert np.array_equal(back["values"], expect)
     with pytest.raises(ValueError, match="levels"):
         Q.pack_q3_k(lv + 4, sc, d)
+    with pytest.raises(ValueError, match="divisible by 256"):
+        Q.pack_q3_k(lv[:, :128], sc[:, :8], d[:, :1])
 
 
 def test_q3_k_rtn_error_is_within_half_a_step():

@@ -350,6 +350,8 @@ def pack_q3_k(levels: np.ndarray, sub_scales: np.ndarray, d: np.ndarray) -> np.n
     the two high bits in bytes 8-11, shift ``2 (j // 4)`` of byte ``8 + j % 4``), then fp16 ``d``.
     """
     rows, cols = levels.shape
+    if cols % QK_K:
+        raise ValueError(f"Q3_K needs in-features divisible by {QK_K}, got {cols}")
     nb = rows * cols // QK_K
     q = levels.astype(np.int16).reshape(nb, QK_K)
     if q.min() < -4 or q.max() > 3:
