@@ -45,7 +45,8 @@ import torch
 from torch import nn
 
 from ..diagnostics import hutchinson_trace
-from ..quant import absmean_ternary, block_linears, ste
+from ..quant import absmean_ternary, block_linears
+from ..quant import ternary_ste as ste_ternary   # STE baseline: forward Q(W), identity grad
 
 CODEBOOK = (-1.0, 0.0, 1.0)
 MODES = ("fp", "ste", "hestia", "hard")
@@ -68,12 +69,6 @@ def ternary_state(w: torch.Tensor) -> torch.Tensor:
     """The discrete state ``clamp(round(W / gamma), -1, 1)`` of a latent weight, as int8."""
     q, _ = absmean_ternary(w.detach())
     return q.to(torch.int8)
-
-
-def ste_ternary(w: torch.Tensor) -> torch.Tensor:
-    """STE baseline: forward exactly ``Q(W)``, backward the identity (``quant.ste``, BitNet's
-    ``w + (quant(w) - w).detach()`` written so the forward is bit-for-bit the hard quantizer)."""
-    return ste(w, hard_ternary(w))
 
 
 class _Expectation(torch.autograd.Function):
