@@ -106,3 +106,76 @@ def test_set_threads_is_recorded(tmp_path):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def _namespace(**values):
+    """What a notebook's globals() holds after its parameters cell (and papermill's injection)."""
+    ann = {"scale": str, "seed": int, "device": str, "out_dir": str, "steps": int, "lr": float,
+           "name": str}
+    ns = {"scale": "smoke", "seed": 0, "device": "cpu", "out_dir": None, "steps": None,
+          "lr": None, "name": None, "unrelated": 5}
+    ns.update(values)
+    ns["__annotations__"] = ann
+    return ns
+
+
+def test_start_reads_the_parameters_cell_and_knobs_override_sizes(tmp_path):
+    run = workbench.start("00-test", _namespace(out_dir=str(tmp_path), steps=7, lr=1, seed=2))
+    assert run.seed == 2 and run.out_dir == tmp_path
+    assert run.params["steps"] == 7 and run.params["lr"] == 1.0 and "unrelated" not in run.params
+    # a knob named like a size overrides it; None keeps the scale's size
+    assert run.sizes(SIZES) == {"steps": 7, "lr": 1.0, "name": "a"}
+    assert run.sizes(SIZES, steps=3)["steps"] == 3          # an explicit override wins
+
+
+def test_start_names_a_bad_parameter_value(tmp_path):
+    with pytest.raises(TypeError, match="'steps' must be int.*'many'"):
+        workbench.start("00-test", _namespace(out_dir=str(tmp_path), steps="many"))
+    with pytest.raises(TypeError, match="'steps' must be int"):
+        workbench.start("00-test", _namespace(out_dir=str(tmp_path), steps=True))
+    with pytest.raises(ValueError, match="annotated"):
+        workbench.start("00-test", {"scale": "smoke"})
+    ns = _namespace(out_dir=str(tmp_path))
+    del ns["__annotations__"]["device"]
+    with pytest.raises(ValueError, match="device"):
+        workbench.start("00-test", ns)
+
+
+def test_sizes_rows_must_name_the_same_sizes(tmp_path):
+    run = workbench.start("00-test", out_dir=tmp_path)
+    with pytest.raises(KeyError, match="lr"):
+        run.sizes({"smoke": {"steps": 1, "lr": 0.1}, "full": {"steps": 2}})
+
+
+def test_a_threads_size_sets_torch_threads(tmp_path):
+    run = workbench.start("00-test", out_dir=tmp_path)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        run.sizes({"smoke": {"threads": 1}, "full": {"threads": 0}})
+        assert torch.get_num_threads() == 1 and run.determinism["torch_threads"] == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_finish_returns_a_verdict_table(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_STRICT", "0")
+    run = workbench.start("00-test", out_dir=tmp_path)
+    run.claim("C1", "x < y", holds=True, evidence={"x": 0.123456, "y": 1})
+    run.claim("C2", "a & b", holds=False, robust=True)
+    verdicts = run.finish()
+    html = verdicts._repr_html_()
+    assert html.count("<tr>") == 3 and "&#10004; holds" in html and "does not hold" in html
+    assert "a &amp; b" in html and "x = 0.1235" in html and "1/2 claims hold" in html
+    text = repr(verdicts)
+    assert "C2     yes    does not hold" in text and "1/2 claims hold" in text
+    assert verdicts["claims"][1]["holds"] is False     # still the metrics.json summary
+
+
+def test_seeding_sets_deterministic_algorithms(tmp_path):
+    try:
+        run = workbench.start("00-test", out_dir=tmp_path)
+        assert torch.are_deterministic_algorithms_enabled()
+        assert run.determinism["deterministic_algorithms"]
+    finally:
+        torch.use_deterministic_algorithms(False)

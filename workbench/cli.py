@@ -1,4 +1,4 @@
-"""``workbench list | run | report | zoo``: the command line. Starts fast (no torch on import)."""
+"""``workbench list | new | run | report | zoo``: the command line. Starts fast (no torch on import)."""
 from __future__ import annotations
 
 import argparse
@@ -87,6 +87,17 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_new(args) -> int:
+    from .template import new_notebook
+    try:
+        path = new_notebook(args.name, title=args.title, force=args.force)
+    except (ValueError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}: fill every TODO(template), then `workbench run {path.stem}`")
+    return 0
+
+
 def cmd_zoo(args) -> int:
     try:
         from .models import zoo
@@ -120,6 +131,11 @@ def parser() -> argparse.ArgumentParser:
 
     sub.add_parser("list", help="every notebook with its claims and last result")
 
+    n = sub.add_parser("new", help="a new notebook NN-slug.ipynb from the template")
+    n.add_argument("name", help="NN-slug, e.g. 08-htfm")
+    n.add_argument("--title", help="the paper's title (default: from the slug)")
+    n.add_argument("--force", action="store_true", help="overwrite an existing notebook")
+
     r = sub.add_parser("run", help="execute notebooks through papermill, in parallel")
     r.add_argument("notebooks", nargs="*", metavar="SLUG", help="e.g. 12-nfi (or its number)")
     r.add_argument("--all", action="store_true", help="every notebook")
@@ -148,7 +164,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    handler = {"list": cmd_list, "run": cmd_run, "report": cmd_report, "zoo": cmd_zoo}
+    handler = {"list": cmd_list, "new": cmd_new, "run": cmd_run, "report": cmd_report, "zoo": cmd_zoo}
     try:
         return handler[args.command](args)
     except BrokenPipeError:         # `workbench list | head`: the reader left, which is fine

@@ -9,10 +9,11 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .runtime import project_root
+from .env import project_root
 
 NAME_RE = re.compile(r"^(\d\d)-([a-z0-9-]+)\.ipynb$")
 CLAIM_RE = re.compile(r"\*\*(C\d+)\*\*|^\s*[-*]\s*(C\d+)\b", re.M)
+TEMPLATE_MARK = "TODO(template)"   # what `workbench new` leaves for the author to rewrite
 KERNELSPEC = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
 
 
@@ -116,4 +117,12 @@ def hygiene_problems(path: Path) -> list[str]:
         problems.append(f"kernel spec is {ks!r}, want name 'python3' / 'Python 3 (ipykernel)'")
     if not NAME_RE.match(path.name):
         problems.append("name is not NN-slug.ipynb (lowercase, no spaces)")
+    for i, c in enumerate(cells):
+        if TEMPLATE_MARK in "".join(c.get("source", "")):
+            problems.append(f"cell {i} still has a {TEMPLATE_MARK} to rewrite")
+    finish = [c for c in cells if c.get("cell_type") == "code"
+              and "run.finish()" in "".join(c.get("source", ""))]
+    if finish and "".join(finish[-1]["source"]).rstrip().splitlines()[-1] != "run.finish()":
+        problems.append("run.finish() is not the last line of its cell: end the cell with it "
+                        "so the verdict table is shown (never assign or print its result)")
     return problems

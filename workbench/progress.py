@@ -4,13 +4,14 @@ from __future__ import annotations
 import sys
 from typing import Iterable
 
+from .env import batch_mode, interactive
+
 
 def progress(iterable: Iterable | None = None, total: int | None = None, desc: str = "",
              **kwargs):
     """A live bar in Jupyter or a terminal; in papermill/CI logs, a line every ~10 percent."""
     from tqdm.auto import tqdm
-    from .runtime import interactive
-    live = interactive() or (sys.stderr.isatty() and not _batch())
+    live = interactive() or (sys.stderr.isatty() and not batch_mode())
     if not live:
         # mininterval in seconds is what keeps logs short; miniters bounds the update count too.
         n = total if total is not None else (len(iterable) if hasattr(iterable, "__len__") else None)
@@ -20,7 +21,3 @@ def progress(iterable: Iterable | None = None, total: int | None = None, desc: s
         kwargs.setdefault("file", sys.stdout)
     return tqdm(iterable, total=total, desc=desc, dynamic_ncols=True, **kwargs)
 
-
-def _batch() -> bool:
-    import os
-    return bool(os.environ.get("CI") or os.environ.get("WORKBENCH_BATCH"))

@@ -1,10 +1,10 @@
 """The run of one notebook: parameters -> sizes, seed, device, run directory, results.
 
-A notebook calls ``run = workbench.start("12-nfi", scale=scale, seed=seed, ...)`` once, after its
-parameters cell, and ``run.finish()`` at the end. In between it reads its sizes with
-``run.sizes(SIZES)``, records metrics with ``run.record``, states its claims with ``run.claim`` and
-saves figures with ``run.savefig``. ``finish`` writes ``metrics.json`` (the contract with the report,
-see DESIGN.md), ``params.json`` and ``env.json`` and prints the verdict table.
+A notebook calls ``run = workbench.start("12-nfi", globals())`` once, after its parameters cell,
+and ends with ``run.finish()``. In between it reads its sizes with ``run.sizes(SIZES)``, records
+metrics with ``run.record``, states its claims with ``run.claim`` and saves figures with
+``run.savefig``. ``finish`` writes ``metrics.json`` (the contract with the report, see DESIGN.md),
+``params.json`` and ``env.json`` and returns the verdict table (HTML in Jupyter, text elsewhere).
 
 Strict mode (``WORKBENCH_STRICT=1``, set by the test suite) makes ``finish`` raise when a claim
 marked ``robust=True`` does not hold.
@@ -25,55 +25,14 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from .env import cache_dir, interactive, project_root, strict_mode
+
 SCALES = ("smoke", "full")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 
 
 class ClaimFailed(AssertionError):
     """A robust claim did not hold while strict mode was on."""
-
-
-def project_root() -> Path:
-    """The checkout that holds ``pyproject.toml`` and ``notebooks/`` (or ``$WORKBENCH_HOME``)."""
-    if os.environ.get("WORKBENCH_HOME"):
-        return Path(os.environ["WORKBENCH_HOME"]).resolve()
-    here = Path(__file__).resolve().parents[1]
-    if (here / "notebooks").is_dir():
-        return here
-    return Path.cwd()
-
-
-def cache_dir() -> Path:
-    """Where built backbones and generated data live: ``$WORKBENCH_CACHE`` or ``data/cache``."""
-    path = Path(os.environ.get("WORKBENCH_CACHE") or project_root() / "data" / "cache")
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def strict_mode() -> bool:
-    return os.environ.get("WORKBENCH_STRICT", "").lower() in ("1", "true", "yes")
-
-
-def interactive() -> bool:
-    """True in a live Jupyter session, False under papermill, nbval, CI or a plain script."""
-    if os.environ.get("CI") or os.environ.get("WORKBENCH_BATCH") or strict_mode():
-        return False
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    shell = get_ipython()
-    return shell is not None and shell.__class__.__name__ == "ZMQInteractiveShell" \
-        and not _parent_is_papermill()
-
-
-def _parent_is_papermill() -> bool:
-    """A kernel started by papermill or nbval (no one is watching it) rather than by a person."""
-    try:
-        cmd = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().replace(b"\0", b" ")
-    except OSError:
-        return False
-    return b"papermill" in cmd or b"pytest" in cmd
 
 
 def seed_everything(seed: int) -> dict:
@@ -89,6 +48,12 @@ def seed_everything(seed: int) -> dict:
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
+        # cuBLAS needs this workspace setting for deterministic matmuls (set before first use)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    # deterministic kernels where PyTorch has them; warn_only: an op without one still runs
+    # (e.g. scatter_add on CUDA) and says so, rather than stopping a notebook
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     info.update(cudnn_deterministic=bool(torch.backends.cudnn.deterministic),
                 cudnn_benchmark=bool(torch.backends.cudnn.benchmark),
                 deterministic_algorithms=bool(torch.are_deterministic_algorithms_enabled()))
@@ -198,22 +163,33 @@ class Run:
 
     # -- sizes -------------------------------------------------------------------------------
     def sizes(self, table: dict, **overrides) -> dict:
-        """The row of ``table`` for this run's scale, with every non-None override applied.
+        """The row of ``table`` for this run's scale, with the knobs that override it applied.
 
-        An override naming a size the table does not have is an error (a typo would otherwise
-        be silently ignored).
+        A knob of the parameters cell overrides the size of the same name when it is not None;
+        so do explicit ``overrides`` (an override naming a size the table does not have is an
+        error: a typo would otherwise be silently ignored). Every row must name the same sizes.
+        A ``threads`` size sets torch's CPU threads (see :meth:`set_threads`).
         """
         if self.scale not in table:
             raise KeyError(f"SIZES has no row for scale {self.scale!r}; it has {sorted(table)}")
+        keys = {scale: set(row) for scale, row in table.items()}
+        if len({frozenset(k) for k in keys.values()}) > 1:
+            union = set().union(*keys.values())
+            missing = {scale: sorted(union - k) for scale, k in keys.items() if union - k}
+            raise KeyError(f"the rows of SIZES name different sizes; missing: {missing}")
         row = dict(table[self.scale])
         for name, value in overrides.items():
             if name not in row:
                 raise KeyError(f"override {name!r} is not a size of {self.slug}; "
                                f"sizes are {sorted(row)}")
+        knobs = {k: v for k, v in self.params.items() if k in row and k not in RESERVED}
+        for name, value in {**knobs, **overrides}.items():
             if value is not None:
                 row[name] = type(row[name])(value) if isinstance(row[name], (int, float)) \
                     and not isinstance(row[name], bool) else value
         self.resolved_sizes = row
+        if "threads" in row:
+            self.set_threads(row["threads"])
         return row
 
     def set_threads(self, n: int | None) -> None:
@@ -252,8 +228,11 @@ class Run:
         print(f"[{id}{' robust' if robust else ''}] {mark}: {text}")
         return c
 
-    def savefig(self, fig, name: str, **kwargs) -> Path:
-        """Save a matplotlib (png) or plotly (html) figure under ``figures/`` and return its path."""
+    def savefig(self, fig, name: str, **kwargs) -> None:
+        """Save a matplotlib (png) or plotly (html) figure as ``figures/<name>``.
+
+        Returns nothing, so that a cell ending in it shows the figure and no path.
+        """
         stem = Path(name).stem
         figdir = self.out_dir / "figures"
         if hasattr(fig, "savefig"):
@@ -266,7 +245,6 @@ class Run:
             raise TypeError(f"cannot save a {type(fig).__name__}; pass a matplotlib or plotly figure")
         if path.name not in self.figures:
             self.figures.append(path.name)
-        return path
 
     def progress(self, iterable: Iterable | None = None, **kwargs):
         """A progress bar: live in Jupyter, a line every few percent elsewhere."""
@@ -283,10 +261,12 @@ class Run:
                 "sizes": _jsonable(self.resolved_sizes), "metrics": self.metrics,
                 "claims": [c.__dict__ for c in self.claims], "figures": self.figures}
 
-    def finish(self) -> dict:
-        """Write ``metrics.json``, ``params.json``, ``env.json``; print the verdicts.
+    def finish(self) -> "Verdicts":
+        """Write ``metrics.json``, ``params.json``, ``env.json``; return the verdict table.
 
-        In strict mode, raise :class:`ClaimFailed` when a robust claim does not hold.
+        The table renders as HTML in Jupyter and as text in papermill logs and scripts: end the
+        notebook's cell with ``run.finish()``. In strict mode, raise :class:`ClaimFailed` when a
+        robust claim does not hold (after writing the files and printing the table).
         """
         summary = self.summary()
         (self.out_dir / "metrics.json").write_text(json.dumps(summary, indent=2))
@@ -295,30 +275,131 @@ class Run:
         env["determinism"] = self.determinism
         (self.out_dir / "env.json").write_text(json.dumps(env, indent=2))
         self.finished = True
-        print(self.verdict_table())
-        print(f"\nresults in {self.out_dir} ({summary['duration_s']:.1f} s)")
+        verdicts = Verdicts(summary, self.out_dir)
         failed = [c.id for c in self.claims if c.robust and not c.holds]
         if failed and strict_mode():
+            print(verdicts)
             raise ClaimFailed(f"{self.slug} seed {self.seed}: robust claim(s) {failed} did not hold")
-        return summary
+        if not _in_ipython():
+            print(verdicts)
+        return verdicts
 
     def verdict_table(self) -> str:
-        if not self.claims:
-            return f"{self.slug}: no claims recorded"
-        width = min(max(len(c.text) for c in self.claims), 90)
+        return Verdicts(self.summary(), self.out_dir).text()
+
+
+class Verdicts(dict):
+    """What ``run.finish()`` returns: the ``metrics.json`` summary (a dict), shown as a table.
+
+    Jupyter draws the HTML table (holds / does not hold marked, evidence folded away);
+    papermill logs and plain scripts get the text table.
+    """
+
+    def __init__(self, summary: dict, out_dir: Path | None = None):
+        super().__init__(summary)
+        self.out_dir = out_dir
+
+    def text(self) -> str:
+        claims = self.get("claims", [])
+        if not claims:
+            return f"{self.get('notebook')}: no claims recorded"
+        width = min(max(len(c["text"]) for c in claims), 90)
         lines = [f"{'claim':<6} {'robust':<6} {'verdict':<13} text", "-" * (30 + width)]
-        for c in self.claims:
-            text = c.text if len(c.text) <= 90 else c.text[:87] + "..."
-            lines.append(f"{c.id:<6} {'yes' if c.robust else '':<6} "
-                         f"{'holds' if c.holds else 'does not hold':<13} {text}")
+        for c in claims:
+            text = c["text"] if len(c["text"]) <= 90 else c["text"][:87] + "..."
+            lines.append(f"{c['id']:<6} {'yes' if c['robust'] else '':<6} "
+                         f"{'holds' if c['holds'] else 'does not hold':<13} {text}")
+        held = sum(c["holds"] for c in claims)
+        lines.append(f"\n{held}/{len(claims)} claims hold; results in {self.out_dir} "
+                     f"({self.get('duration_s', 0):.1f} s)")
         return "\n".join(lines)
 
+    __str__ = __repr__ = text
 
-def start(slug: str, scale: str = "smoke", seed: int = 0, device: str = "auto",
-          out_dir: str | os.PathLike | None = None, **params) -> Run:
-    """Begin a notebook's run; ``params`` are its method knobs, kept in ``params.json``."""
-    run = Run(slug, scale=scale, seed=seed, device=device, out_dir=out_dir, params=params)
-    print(f"{slug}: scale={scale} seed={run.seed} device={run.device} out={run.out_dir}")
+    def _repr_pretty_(self, p, cycle) -> None:
+        p.text(self.text())
+
+    def _repr_html_(self) -> str:
+        from html import escape
+        rows = []
+        for c in self.get("claims", []):
+            mark = ('<td style="color:#2e933c;font-weight:600">&#10004; holds</td>' if c["holds"]
+                    else '<td style="color:#d1495b;font-weight:600">&#10008; does not hold</td>')
+            ev = ", ".join(f"{escape(str(k))} = {escape(_short(v))}"
+                           for k, v in c.get("evidence", {}).items())
+            evidence = f"<details><summary>evidence</summary>{ev}</details>" if ev else ""
+            rows.append(f"<tr><td><b>{escape(c['id'])}</b></td>"
+                        f"<td>{'robust' if c['robust'] else ''}</td>{mark}"
+                        f"<td style='text-align:left'>{escape(c['text'])}{evidence}</td></tr>")
+        held = sum(c["holds"] for c in self.get("claims", []))
+        return ("<table><thead><tr><th>claim</th><th></th><th>verdict</th>"
+                "<th style='text-align:left'>what is claimed</th></tr></thead><tbody>"
+                + "".join(rows) + "</tbody></table>"
+                f"<p>{held}/{len(self.get('claims', []))} claims hold &middot; "
+                f"{escape(str(self.get('notebook')))} {escape(str(self.get('scale')))} seed "
+                f"{self.get('seed')} &middot; {self.get('duration_s', 0):.1f} s &middot; "
+                f"<code>{escape(str(self.out_dir))}</code></p>")
+
+
+def _short(value, n: int = 60) -> str:
+    text = f"{value:.4g}" if isinstance(value, float) else str(value)
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _in_ipython() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    return get_ipython() is not None
+
+
+RESERVED = ("scale", "seed", "device", "out_dir")
+
+
+def notebook_parameters(namespace: dict, slug: str) -> dict:
+    """The parameters cell's values, read from a notebook's ``globals()``.
+
+    The cell's annotations (``name: type = value``) name the parameters; papermill's injected
+    cell may have replaced their values. Each non-None value must match its annotated type
+    (an int is accepted for a float) so that a bad ``-p`` value fails here with its name.
+    """
+    annotations = namespace.get("__annotations__") or {}
+    if not annotations:
+        raise ValueError(f"{slug}: no annotated parameters found; write the cell tagged "
+                         "'parameters' as `name: type = value  # help` lines before start()")
+    missing = [name for name in RESERVED if name not in annotations]
+    if missing:
+        raise ValueError(f"{slug}: the parameters cell lacks {missing}; every notebook has "
+                         f"{list(RESERVED)}")
+    params = {}
+    for name, kind in annotations.items():
+        value = namespace.get(name)
+        if value is not None and isinstance(kind, type):
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            elif not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise TypeError(f"{slug}: parameter {name!r} must be {kind.__name__}, got "
+                                f"{value!r} ({type(value).__name__}); fix the -p value")
+        params[name] = value
+    return params
+
+
+def start(slug: str, namespace: dict | None = None, /, **params) -> Run:
+    """Begin a notebook's run: ``run = workbench.start("12-nfi", globals())``.
+
+    With a namespace, the parameters are the names annotated in the parameters cell (see
+    :func:`notebook_parameters`); keywords name them directly instead (or add to them).
+    ``scale``, ``seed``, ``device`` and ``out_dir`` configure the run; the rest are the method's
+    knobs, kept in ``params.json`` and applied to ``run.sizes(SIZES)``. The house plot style is set.
+    """
+    if namespace is not None:
+        params = {**notebook_parameters(namespace, slug), **params}
+    base = {k: params.pop(k) for k in RESERVED if k in params}
+    run = Run(slug, params=params, **base)
+    from . import plots
+    plots.style()
+    print(f"{slug}: scale={run.scale} seed={run.seed} device={run.device} out={run.out_dir}")
     return run
 
 

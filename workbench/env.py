@@ -1,0 +1,60 @@
+"""Where the workbench runs: the checkout, the cache, and whether anyone is watching.
+
+The small facts that the runtime, the progress bars, the notebook discovery and the CLI all need.
+It imports nothing from the package, so every other module can depend on it (one-way arrows).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["project_root", "cache_dir", "strict_mode", "interactive", "batch_mode"]
+
+
+def project_root() -> Path:
+    """The checkout that holds ``pyproject.toml`` and ``notebooks/`` (or ``$WORKBENCH_HOME``)."""
+    if os.environ.get("WORKBENCH_HOME"):
+        return Path(os.environ["WORKBENCH_HOME"]).resolve()
+    here = Path(__file__).resolve().parents[1]
+    if (here / "notebooks").is_dir():
+        return here
+    return Path.cwd()
+
+
+def cache_dir() -> Path:
+    """Where built backbones and generated data live: ``$WORKBENCH_CACHE`` or ``data/cache``."""
+    path = Path(os.environ.get("WORKBENCH_CACHE") or project_root() / "data" / "cache")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def strict_mode() -> bool:
+    """``WORKBENCH_STRICT=1`` (the test suite sets it): a robust claim that fails raises."""
+    return os.environ.get("WORKBENCH_STRICT", "").lower() in ("1", "true", "yes")
+
+
+def batch_mode() -> bool:
+    """Run by CI or by ``workbench run`` (which sets ``WORKBENCH_BATCH``): logs, not screens."""
+    return bool(os.environ.get("CI") or os.environ.get("WORKBENCH_BATCH"))
+
+
+def interactive() -> bool:
+    """True in a live Jupyter session, False under papermill, nbval, CI or a plain script."""
+    if batch_mode() or strict_mode():
+        return False
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and shell.__class__.__name__ == "ZMQInteractiveShell" \
+        and not _parent_is_papermill()
+
+
+def _parent_is_papermill() -> bool:
+    """A kernel started by papermill or nbval (no one is watching it) rather than by a person."""
+    try:
+        cmd = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().replace(b"\0", b" ")
+    except OSError:
+        return False
+    return b"papermill" in cmd or b"pytest" in cmd
