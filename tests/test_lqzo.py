@@ -1,4 +1,5 @@
 """LQZO: seed trick, unbiasedness on a quadratic, BAG moments, isotropy of every law, no graph."""
+import copy
 import math
 
 import pytest
@@ -6,6 +7,7 @@ import torch
 from torch import nn
 
 from workbench import quant as Q
+from workbench.quant import QuantLinear
 from workbench.methods import lqzo as M
 
 STRUCTURES = [M.Perturbation(law) for law in M.LAWS] + \
@@ -176,13 +178,30 @@ def test_zo_update_uses_the_regenerated_direction_and_clips():
     assert torch.allclose(ps[0], expected, atol=1e-3)
 
 
-def test_true_gradient_matches_finite_differences_and_estimator_quality_runs():
+def test_true_gradient_matches_central_differences_and_estimator_quality_runs():
     q, scales = _tiny_quant_model()
     x, y = torch.randn(64, 16), torch.randn(64, 4)
     loss_fn = lambda: ((q(x) - y) ** 2).mean()
     params = list(scales.values())
     G = M.true_gradient(loss_fn, params)
     assert all(g.shape == p.shape for g, p in zip(G, params))
+    # every scale entry against a central difference, on a float64 copy so that h can be small
+    q64 = copy.deepcopy(q).double()
+    params64 = [m.scale for m in q64.modules() if isinstance(m, QuantLinear)]
+    x64, y64 = x.double(), y.double()
+    loss64 = lambda: float(((q64(x64) - y64) ** 2).mean())
+    h = 1e-6
+    for g, s in zip(G, params64):
+        with torch.no_grad():
+            for i in range(s.numel()):
+                flat_s = s.view(-1)
+                flat_s[i] += h
+                up = loss64()
+                flat_s[i] -= 2 * h
+                down = loss64()
+                flat_s[i] += h
+                assert (up - down) / (2 * h) == pytest.approx(float(g.view(-1)[i]), rel=1e-4,
+                                                              abs=1e-7)
     res = M.estimator_quality(loss_fn, params, M.Perturbation("gaussian"), G, range(50), 1e-4)
     lin = M.linearized_quality(G, M.Perturbation("gaussian"), 50, 0)
     assert all(c > 0 for c in res["cos"])                    # g Z always points uphill-ish

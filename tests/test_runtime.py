@@ -179,3 +179,19 @@ def test_seeding_sets_deterministic_algorithms(tmp_path):
         assert run.determinism["deterministic_algorithms"]
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def test_sizes_limits_name_the_bad_knob(tmp_path):
+    run = workbench.start("00-test", _namespace(out_dir=str(tmp_path), steps=0))
+    with pytest.raises(ValueError, match=r"steps must be in 1\.\., got 0"):
+        run.sizes(SIZES, limits={"steps": (1, None)})
+    assert run.sizes(SIZES, limits={"steps": (0, 5), "lr": (None, 1)})["steps"] == 0
+
+
+def test_limits_check_knobs_against_choices(tmp_path):
+    run = workbench.start("00-test", _namespace(out_dir=str(tmp_path), name="b"))
+    with pytest.raises(ValueError, match=r"name must be one of \['a', 'c'\], got 'b'"):
+        run.sizes(SIZES, limits={"name": ["a", "c"]})
+    assert run.sizes(SIZES, limits={"name": ["a", "b"]})["name"] == "b"
+    with pytest.raises(KeyError, match="neither"):
+        run.sizes(SIZES, limits={"nme": ["a"]})

@@ -162,13 +162,14 @@ class Run:
         self.finished = False
 
     # -- sizes -------------------------------------------------------------------------------
-    def sizes(self, table: dict, **overrides) -> dict:
+    def sizes(self, table: dict, limits: dict | None = None, **overrides) -> dict:
         """The row of ``table`` for this run's scale, with the knobs that override it applied.
 
         A knob of the parameters cell overrides the size of the same name when it is not None;
         so do explicit ``overrides`` (an override naming a size the table does not have is an
         error: a typo would otherwise be silently ignored). Every row must name the same sizes.
-        A ``threads`` size sets torch's CPU threads (see :meth:`set_threads`).
+        ``limits`` maps a size or a knob to its allowed values, an inclusive ``(low, high)`` range
+        (None: open) or a list of choices, so that a bad knob fails here, by name. A ``threads`` size sets torch's CPU threads (:meth:`set_threads`).
         """
         if self.scale not in table:
             raise KeyError(f"SIZES has no row for scale {self.scale!r}; it has {sorted(table)}")
@@ -187,6 +188,10 @@ class Run:
             if value is not None:
                 row[name] = type(row[name])(value) if isinstance(row[name], (int, float)) \
                     and not isinstance(row[name], bool) else value
+        for name, allowed in (limits or {}).items():
+            if name not in row and name not in self.params:
+                raise KeyError(f"limits name {name!r}, which is neither a size nor a parameter")
+            _check_value(self.slug, name, row[name] if name in row else self.params[name], allowed)
         self.resolved_sizes = row
         if "threads" in row:
             self.set_threads(row["threads"])
@@ -339,6 +344,19 @@ class Verdicts(dict):
                 f"{escape(str(self.get('notebook')))} {escape(str(self.get('scale')))} seed "
                 f"{self.get('seed')} &middot; {self.get('duration_s', 0):.1f} s &middot; "
                 f"<code>{escape(str(self.out_dir))}</code></p>")
+
+
+def _check_value(slug: str, name: str, value, allowed) -> None:
+    """``value`` within an inclusive ``(low, high)`` range, or one of a list of choices."""
+    if value is None:
+        return
+    if isinstance(allowed, tuple) and len(allowed) == 2:
+        low, high = allowed
+        if (low is not None and value < low) or (high is not None and value > high):
+            span = f"{'' if low is None else low}..{'' if high is None else high}"
+            raise ValueError(f"{slug}: {name} must be in {span}, got {value!r}")
+    elif value not in allowed:
+        raise ValueError(f"{slug}: {name} must be one of {sorted(allowed)}, got {value!r}")
 
 
 def _short(value, n: int = 60) -> str:

@@ -290,3 +290,21 @@ def same_surface(name: str) -> list[str]:
     """The other families whose prompts look exactly like ``name``'s."""
     s = get(name).surface
     return [f for f, fam in FAMILIES.items() if fam.surface == s and f != name]
+
+
+def problem_split(family: str, difficulty: int, heldout_fraction: float = 0.3,
+                  pool: int = 4000) -> tuple[list, list]:
+    """Disjoint (train, held-out) *problems* of a task family: unique prompts split by a fixed
+    crc32 of the prompt, so no held-out question is ever trained on (at difficulty 1 a family
+    can have only a few dozen distinct problems)."""
+    import zlib
+    seen, train, held = set(), [], []
+    for e in generate(family, pool, seed=4242, difficulty=difficulty):
+        if e.prompt in seen:
+            continue
+        seen.add(e.prompt)
+        (held if zlib.crc32(e.prompt.encode()) % 1000 < heldout_fraction * 1000
+         else train).append(e)
+    if not train or not held:
+        raise ValueError(f"{family} at difficulty {difficulty} has too few distinct problems")
+    return train, held

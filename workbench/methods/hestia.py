@@ -331,14 +331,6 @@ class FlipCounter:
         return sum(int((self.state[k] != self.initial[k]).sum()) for k in self.state) / n
 
 
-def flip_counts(states: list[torch.Tensor]) -> torch.Tensor:
-    """Per-element number of changes along a sequence of discrete-state tensors."""
-    counts = torch.zeros(states[0].shape, dtype=torch.int64)
-    for a, b in zip(states, states[1:]):
-        counts += (a != b).long()
-    return counts
-
-
 @torch.no_grad()
 def relaxed_gap(layers: dict[str, TernaryLinear]) -> dict[str, float]:
     """How far the relaxed forward weights are from the hard quantizer, over all weights.
@@ -387,20 +379,18 @@ def train_stream(tok, ctx: int, n_blocks: int, seed: int, task_fraction: float =
     """(n_blocks, ctx) training blocks: random windows of the corpus' train documents and, for a
     ``task_fraction`` of them, packed task lines (``<bos> prompt answer <eos>``) of ``families``,
     so QAT sees the same kind of text the backbone was trained on. Shuffled with ``seed``."""
-    from ..data import corpus
+    from ..data import corpus, packing
     n_task = int(round(n_blocks * task_fraction))
     text = corpus.calibration_blocks(tok, ctx, n_blocks - n_task, seed=seed)
     if n_task == 0:
         return text
     per_family = n_task * ctx // 6 // len(families) + 1    # a task line is >= 8 tokens
     lines = corpus.task_lines(families, per_family, seed=seed + 7, easiest=1)
-    ids = []
-    for row in tok(lines, add_special_tokens=False)["input_ids"]:
-        ids += [tok.bos_token_id] + row + [tok.eos_token_id]
-    ids = torch.tensor(ids[: n_task * ctx], dtype=torch.long)
-    if len(ids) < n_task * ctx:
-        raise ValueError("not enough task text; lower task_fraction")
-    blocks = torch.cat([text, ids.view(n_task, ctx)])
+    try:
+        tasks = packing.stream(packing.encode(tok, lines), n_task, ctx)
+    except ValueError as e:
+        raise ValueError(f"{e}; lower task_fraction") from None
+    blocks = torch.cat([text, tasks])
     g = torch.Generator().manual_seed(seed)
     return blocks[torch.randperm(len(blocks), generator=g)]
 

@@ -249,50 +249,12 @@ def codes_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
 # -- task text -------------------------------------------------------------------------------
 
 def task_batch(tok, examples, device=None) -> dict[str, torch.Tensor]:
-    """``<bos> prompt completion <eos>`` rows, right-padded; labels only on the completion
-    and ``<eos>`` (the task loss is the answer's negative log-likelihood)."""
-    prompts = tok([e.prompt for e in examples], add_special_tokens=False)["input_ids"]
-    comps = tok([e.completion() for e in examples], add_special_tokens=False)["input_ids"]
-    T = max(len(p) + len(c) + 2 for p, c in zip(prompts, comps))
-    ids = torch.full((len(examples), T), tok.pad_token_id, dtype=torch.long)
-    labels = torch.full_like(ids, -100)
-    for i, (p, c) in enumerate(zip(prompts, comps)):
-        row = [tok.bos_token_id] + p + c + [tok.eos_token_id]
-        ids[i, :len(row)] = torch.tensor(row)
-        labels[i, 1 + len(p):len(row)] = torch.tensor(c + [tok.eos_token_id])
-    # right padding under a causal mask: pads never influence the labelled positions, so no
-    # attention mask is needed (and HF skips building one)
-    out = {"input_ids": ids, "labels": labels}
+    """``<bos> prompt completion <eos>`` rows, right-padded, labelled on the answer
+    (:func:`workbench.data.packing.pad`): the task loss is the answer's negative log-likelihood."""
+    from ..data import packing
+    out = packing.pad(packing.encode(tok, [e.prompt for e in examples],
+                                     [e.completion() for e in examples]), tok.pad_token_id)
     return {k: v.to(device) for k, v in out.items()} if device is not None else out
-
-
-def problem_split(family: str, difficulty: int, heldout_fraction: float = 0.3,
-                  pool: int = 4000) -> tuple[list, list]:
-    """Disjoint (train, held-out) *problems* of a task family: unique prompts split by a fixed
-    crc32 of the prompt, so no held-out question is ever trained on (at difficulty 1 a family
-    can have only a few dozen distinct problems)."""
-    import zlib
-    from ..data import tasks
-    seen, train, held = set(), [], []
-    for e in tasks.generate(family, pool, seed=4242, difficulty=difficulty):
-        if e.prompt in seen:
-            continue
-        seen.add(e.prompt)
-        (held if zlib.crc32(e.prompt.encode()) % 1000 < heldout_fraction * 1000
-         else train).append(e)
-    if not train or not held:
-        raise ValueError(f"{family} at difficulty {difficulty} has too few distinct problems")
-    return train, held
-
-
-def exact_match(model, tok, examples) -> float:
-    """Greedy-decoding exact-match accuracy with the task registry's verifier."""
-    from ..data import tasks
-    from ..models.zoo import generate
-    longest = max(len(tok(e.completion(), add_special_tokens=False)["input_ids"])
-                  for e in examples)
-    comps = generate(model, tok, [e.prompt for e in examples], max_new_tokens=longest + 2)
-    return sum(tasks.score(e, c) for e, c in zip(examples, comps)) / len(examples)
 
 
 def lm_loss(model, batch: dict) -> torch.Tensor:
@@ -433,71 +395,9 @@ def memory_profile(model, scales: list[torch.Tensor], loss_fn, zo_fn) -> dict:
     return out
 
 
-# -- a tiny ViT on scikit-learn digits ---------------------------------------------------------
-
-class TinyViT(nn.Module):
-    """Pre-norm ViT for 8 x 8 digits: 2 x 2 patches (16 tokens), a class token, learned
-    positions, ``depth`` blocks of multi-head attention and a GELU MLP, a linear head."""
-
-    def __init__(self, dim: int = 32, depth: int = 2, heads: int = 2, mlp: int = 64,
-                 patch: int = 2, n_classes: int = 10):
-        super().__init__()
-        self.patch, n_tok = patch, (8 // patch) ** 2
-        self.embed = nn.Linear(patch * patch, dim)
-        self.cls = nn.Parameter(torch.zeros(1, 1, dim))
-        self.pos = nn.Parameter(torch.randn(1, n_tok + 1, dim) * 0.02)
-        self.layers = nn.ModuleList([ViTBlock(dim, heads, mlp) for _ in range(depth)])
-        self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, n_classes)
-
-    def forward(self, x):                         # x: (B, 8, 8) in [0, 1]
-        B, p = x.shape[0], self.patch
-        t = x.reshape(B, 8 // p, p, 8 // p, p).permute(0, 1, 3, 2, 4).reshape(B, -1, p * p)
-        h = torch.cat([self.cls.expand(B, -1, -1), self.embed(t)], 1) + self.pos
-        for blk in self.layers:
-            h = blk(h)
-        return self.head(self.norm(h[:, 0]))
-
-
-class ViTBlock(nn.Module):
-    def __init__(self, dim, heads, mlp):
-        super().__init__()
-        self.heads = heads
-        self.n1, self.n2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.fc1, self.fc2 = nn.Linear(dim, mlp), nn.Linear(mlp, dim)
-
-    def forward(self, h):
-        B, T, D = h.shape
-        q, k, v = self.qkv(self.n1(h)).reshape(B, T, 3, self.heads, D // self.heads) \
-            .permute(2, 0, 3, 1, 4)
-        a = nn.functional.scaled_dot_product_attention(q, k, v)
-        h = h + self.proj(a.transpose(1, 2).reshape(B, T, D))
-        return h + self.fc2(nn.functional.gelu(self.fc1(self.n2(h))))
-
-
-def digits_split(seed: int = 0, test_fraction: float = 0.3):
-    """scikit-learn's 8 x 8 digits (1797 images), pixels scaled to [0, 1], stratified split."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-    d = load_digits()
-    x = torch.tensor(d.images / 16.0, dtype=torch.float32)
-    y = torch.tensor(d.target, dtype=torch.long)
-    idx = torch.arange(len(y)).numpy()
-    tr, te = train_test_split(idx, test_size=test_fraction, random_state=seed, stratify=d.target)
-    return x[tr], y[tr], x[te], y[te]
-
-
-def vit_layers(model: TinyViT) -> dict[str, nn.Linear]:
-    """The block linears of the ViT (patch embedding and head stay fp)."""
-    return {n: m for n, m in model.named_modules()
-            if isinstance(m, nn.Linear) and n.startswith("layers.")}
-
-
-def accuracy(model, x, y, batch: int = 512) -> float:
-    with torch.no_grad():
-        pred = torch.cat([model(x[i: i + batch]).argmax(-1) for i in range(0, len(x), batch)])
-    return float((pred == y).float().mean())
-
-
-__all__ = [n for n in dir() if not n.startswith("_") and n not in ("annotations", "math", "copy")]
+__all__ = ["LAWS", "CLIP", "MIN_SCALE", "Perturbation", "ladder", "sample_law", "law_moments",
+           "near_square", "factor_shape", "sample_direction", "sample_batch", "directions",
+           "perturb_", "two_point", "zo_step", "zo_estimate", "quantize", "codes_snapshot",
+           "task_batch", "lm_loss", "subset", "true_gradient", "flat", "cosine",
+           "estimator_quality", "linearized_quality", "energy_top", "tensor_bytes",
+           "SavedForBackward", "memory_profile"]

@@ -313,6 +313,9 @@ def n_outliers(w: torch.Tensor, margin: float = 1.1) -> int:
 def scaffold(w: torch.Tensor, rank: int, norm: float | None = None) -> torch.Tensor:
     """The leading rank-``rank`` part ``sum_{i<rank} s_i u_i v_i^T`` of ``w``; rescaled to Frobenius
     norm ``norm`` when given (the equal-norm control scaffold)."""
+    if not 1 <= rank <= min(w.shape):
+        raise ValueError(f"a scaffold's rank must be in 1..{min(w.shape)} (the hidden size), "
+                         f"got {rank}")
     u, s, vh = torch.linalg.svd(w.detach(), full_matrices=False)
     part = (u[:, :rank] * s[:rank]) @ vh[:rank]
     if norm is not None:

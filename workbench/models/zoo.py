@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ZOO_VERSION = 1
+ZOO_VERSION = 2   # 2: the last packed task row is kept (1 dropped it)
 ALL_FAMILIES = ("add", "addmod", "sub", "mul", "chain", "reverse", "sort", "rotate", "swap",
                 "dedupe", "kv", "count", "pattern", "pattern_skip")
 
@@ -240,8 +240,7 @@ def _task_rows(r: Recipe, s: Size, tok):
     Returns ``(ids, labels)`` (rows, ctx): labels are -100 on ``<bos>``, prompt and padding, so
     task rows train the completions only (their prompts are random and carry no signal).
     """
-    import torch
-    from ..data import corpus, tasks
+    from ..data import packing, tasks
     exs = []
     weights = r.task_weights or (1.0,) * len(r.train_tasks)
     if len(weights) != len(r.train_tasks):
@@ -254,21 +253,8 @@ def _task_rows(r: Recipe, s: Size, tok):
             exs += tasks.generate(fam, -(-n_fam // len(ds)), r.seed + 1, d)
     import random
     random.Random(r.seed + 1).shuffle(exs)
-    prompts = tok([e.prompt for e in exs], add_special_tokens=False)["input_ids"]
-    comps = tok([e.completion(r.with_steps) for e in exs], add_special_tokens=False)["input_ids"]
-    rows, labels, cur, lab = [], [], [], []
-    for p, c in zip(prompts, comps):
-        seq = [tok.bos_token_id] + p + c + [tok.eos_token_id]
-        sl = [-100] * (1 + len(p)) + c + [tok.eos_token_id]
-        if len(seq) > s.ctx:
-            continue
-        if len(cur) + len(seq) > s.ctx:
-            pad = s.ctx - len(cur)
-            rows.append(cur + [tok.pad_token_id] * pad)
-            labels.append(lab + [-100] * pad)
-            cur, lab = [], []
-        cur, lab = cur + seq, lab + sl
-    return torch.tensor(rows, dtype=torch.long), torch.tensor(labels, dtype=torch.long)
+    pairs = packing.encode(tok, [e.prompt for e in exs], [e.completion(r.with_steps) for e in exs])
+    return packing.pack(pairs, s.ctx, tok.pad_token_id)
 
 
 def _train_and_save(r: Recipe, scale: str, out: Path) -> dict:
@@ -415,7 +401,13 @@ def task_accuracy(model, tok, family: str, n: int = 50, seed: int = 0,
     else:
         ds = _difficulties(family, easiest)
         exs = [e for d in ds for e in tasks.generate(family, -(-n // len(ds)), seed, d)][:n]
+    return exact_match(model, tok, exs, with_steps)
+
+
+def exact_match(model, tok, examples, with_steps: bool = False) -> float:
+    """Mean verifier score (exact match of the final answer) of greedy completions."""
+    from ..data import tasks
     longest = max(len(tok(e.completion(with_steps), add_special_tokens=False)["input_ids"])
-                  for e in exs)
-    comps = generate(model, tok, [e.prompt for e in exs], max_new_tokens=longest + 2)
-    return sum(tasks.score(e, c) for e, c in zip(exs, comps)) / len(exs)
+                  for e in examples)
+    comps = generate(model, tok, [e.prompt for e in examples], max_new_tokens=longest + 2)
+    return sum(tasks.score(e, c) for e, c in zip(examples, comps)) / len(examples)
