@@ -7,7 +7,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lab list clean-notebooks clean
+PYTEST := $(PY) -m pytest -p no:cacheprovider
+# two workers, one per core; --dist loadfile keeps each notebook's cells in one kernel, in order
+XDIST := -n 2 --dist loadfile
+
+.PHONY: run test test-fast lab list new clean-notebooks clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,13 +24,19 @@ run: $(STAMP)  ## every notebook at smoke scale, then the report
 	$(VENV)/bin/workbench run --all --out runs/main
 
 test: $(STAMP)  ## unit tests, batch tests, and every notebook under nbval with strict claims
-	$(PY) -m pytest -p no:cacheprovider tests notebooks --nbval-lax --nbval-current-env
+	$(PYTEST) $(XDIST) tests notebooks --nbval-lax --nbval-current-env
+
+test-fast: $(STAMP)  ## unit tests only: no notebooks, nothing marked slow (under a minute)
+	$(PYTEST) $(XDIST) tests -m "not slow"
 
 lab: $(STAMP)  ## JupyterLab on notebooks/ with this environment's kernel
 	$(VENV)/bin/jupyter lab notebooks/
 
 list: $(STAMP)
 	$(VENV)/bin/workbench list
+
+new: $(STAMP)  ## a new notebook from the template: make new NB=08-htfm
+	$(VENV)/bin/workbench new $(NB)
 
 clean-notebooks: $(STAMP)  ## strip outputs and volatile metadata before committing a notebook
 	$(PY) -c "from workbench.notebooks import clean, discover; [print('cleaned', i.path) for i in discover() if clean(i.path)]"

@@ -9,6 +9,7 @@ from workbench.notebooks import TEMPLATE_MARK, hygiene_problems, parameters
 from workbench.template import new_notebook
 
 
+@pytest.mark.slow
 def test_new_writes_a_notebook_that_runs(tmp_path):
     path = new_notebook("99-demo", title="A demo", directory=tmp_path)
     nb = json.loads(path.read_text())
