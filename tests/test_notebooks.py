@@ -45,3 +45,14 @@ def test_title_and_claims_listed(info):
     assert "run.finish()" in code and "workbench.show(" in code
     for cid in info.claims:
         assert f'"{cid}"' in code or f"'{cid}'" in code, f"{cid} is listed but never claimed"
+
+
+@pytest.mark.parametrize("info", NOTEBOOKS, ids=lambda i: i.slug)
+def test_opening_follows_the_template(info):
+    """The opening is short: start() reads the parameters cell, run.sizes() checks the knobs."""
+    nb = json.loads(info.path.read_text())
+    cells = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    (opening,) = [c for c in cells if "workbench.start(" in c]
+    assert f'workbench.start("{info.slug}", globals())' in opening
+    assert "run.sizes(SIZES" in opening and len(opening.strip().splitlines()) <= 20
+    assert "raise " not in opening           # checks live in start() / run.sizes(limits=...)
