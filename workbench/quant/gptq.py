@@ -1,0 +1,113 @@
+"""GPTQ (Frantar et al. 2023, Algorithm 1), following the reference ``IST-DASLab/gptq``
+``gptq.py`` (``GPTQ.fasterquant``), and the input Hessians it needs."""
+from __future__ import annotations
+
+
+import torch
+from torch import nn
+
+from .grid import Quantized, rtn_params
+
+# -- GPTQ -------------------------------------------------------------------------------------
+
+def gptq(w: torch.Tensor, H: torch.Tensor, bits: int, group_size: int = 128, sym: bool = True,
+         blocksize: int = 128, percdamp: float = 0.01, actorder: bool = False) -> Quantized:
+    """GPTQ (Frantar et al. 2023, Algorithm 1) of one (out, in) weight given ``H = 2/N X X^T``.
+
+    Columns are quantized one at a time; the error of column ``i``, divided by ``[H^-1]_ii``
+    (the Cholesky factor's diagonal), is spread over the not-yet-quantized columns through row
+    ``i`` of the upper Cholesky factor of ``H^-1`` (eq. 3 with the Cholesky reformulation of
+    Sec. 3.3). Updates inside a block of ``blocksize`` columns are immediate; the rest of the
+    matrix is updated lazily once per block. With groups, the quantizer (scale, zero) is re-fit
+    on the current (already error-corrected) weights at each group start.
+    """
+    W = w.detach().clone().float()
+    rows, cols = W.shape
+    H = H.detach().clone().double()
+    dead = torch.diag(H) == 0                       # inputs that never fire
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    perm = None
+    if actorder:
+        perm = torch.argsort(torch.diag(H), descending=True)
+        W, H = W[:, perm], H[perm][:, perm]
+    damp = percdamp * torch.mean(torch.diag(H))
+    H += damp * torch.eye(cols, dtype=H.dtype, device=H.device)
+    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    Hinv = Hinv.float()
+    g = cols if group_size <= 0 else group_size
+    dev = W.device
+    codes = torch.zeros(rows, cols, dtype=torch.int16, device=dev)
+    scales = torch.zeros(rows, cols // g, device=dev)
+    zeros = torch.zeros(rows, cols // g, device=dev)
+    scale = zero = None
+    for i1 in range(0, cols, blocksize):
+        i2 = min(i1 + blocksize, cols)
+        W1, Err1 = W[:, i1:i2].clone(), torch.zeros(rows, i2 - i1, device=dev)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if col % g == 0:                        # re-fit the quantizer for this group
+                cur = torch.cat([W1[:, i:], W[:, i2:]], 1)[:, :g]
+                s, z = rtn_params(cur, bits, -1, sym)
+                scale, zero = s[:, 0], z[:, 0]
+                scales[:, col // g], zeros[:, col // g] = scale, zero
+            w_col = W1[:, i]
+            c = torch.clamp(torch.round(w_col / scale) + zero, 0, 2 ** bits - 1)
+            q_col = scale * (c - zero)
+            codes[:, col] = c.to(torch.int16)
+            err = (w_col - q_col) / Hinv1[i, i]
+            W1[:, i:] -= err.unsqueeze(1) @ Hinv1[i, i:].unsqueeze(0)
+            Err1[:, i] = err
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]        # lazy batch update of later columns
+    if perm is not None:
+        if group_size > 0:
+            raise NotImplementedError("actorder with groups needs static groups; not implemented")
+        codes = codes[:, torch.argsort(perm)]
+    return Quantized(codes, scales, zeros, bits, group_size)
+
+
+class HessianCollector:
+    """Accumulates ``H = 2/N sum_x x x^T`` of the inputs of chosen linear layers via hooks."""
+
+    def __init__(self, modules: dict[str, nn.Module]):
+        self.H = {n: None for n in modules}
+        self.n = {n: 0 for n in modules}
+        self.handles = [m.register_forward_hook(self._hook(n)) for n, m in modules.items()]
+
+    def _hook(self, name):
+        def hook(mod, inputs, output):
+            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).double()
+            if self.H[name] is None:
+                self.H[name] = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64,
+                                           device=x.device)
+            self.H[name] += 2 * x.T @ x
+            self.n[name] += x.shape[0]
+        return hook
+
+    def hessians(self) -> dict[str, torch.Tensor]:
+        return {n: (h / max(self.n[n], 1)).float() for n, h in self.H.items()}
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def collect_hessians(model: nn.Module, modules: dict[str, nn.Module], batches,
+                     batch_size: int = 16) -> dict[str, torch.Tensor]:
+    """Run ``batches`` (B, T) through ``model`` and return each module's input Hessian."""
+    col = HessianCollector(modules)
+    try:
+        with torch.no_grad():
+            dev = next(model.parameters()).device
+            for i in range(0, len(batches), batch_size):
+                model(input_ids=batches[i: i + batch_size].to(dev))
+    finally:
+        col.remove()
+    return col.hessians()
+
+
+def output_error(w: torch.Tensor, wq: torch.Tensor, H: torch.Tensor) -> float:
+    """Layer-wise reconstruction error ``tr((Wq - W) H (Wq - W)^T)`` (= 2/N ||(Wq - W) X||^2)."""
+    d = (wq - w).double()
+    return float(torch.einsum("oi,ij,oj->", d, H.double(), d))
