@@ -182,3 +182,81 @@ def test_q3_k_rtn_error_is_within_half_a_step():
     inside = (w / step >= -4) & (w / step <= 3)                   # not clipped at the grid's ends
     assert np.all(np.abs(w - w_hat)[inside] <= step[inside] / 2 + 1e-6)
     assert inside.mean() > 0.9
+
+
+def _gptq_by_the_book(w, H, bits, g, block, actorder=False, static=False, percdamp=0.01):
+    """GPTQ written plainly from the paper's Algorithm 1 (float64, every later column updated at
+    once, no lazy batches) plus the reference's group rule: a group's (scale, zero) is fitted on
+    the weights as they stood at the start of the block holding the group's first column (or, with
+    static groups, on the original weights, by original column)."""
+    W = w.clone().double()
+    H = H.clone().double()
+    cols = W.shape[1]
+    order = torch.argsort(torch.diag(H), descending=True) if actorder else torch.arange(cols)
+    damp = percdamp * torch.diag(H).mean()
+    U = torch.linalg.cholesky(torch.linalg.inv(H[order][:, order] + damp * torch.eye(cols)),
+                              upper=True)
+    W, W0 = W[:, order], W.clone()
+    codes = torch.zeros_like(W, dtype=torch.long)
+    fitted = {}
+    for k in range(cols):
+        if k % block == 0:
+            snapshot = W.clone()
+        if static:
+            grp = int(order[k]) // g
+            scale, zero = Q.rtn_params(W0[:, grp * g:(grp + 1) * g], bits, -1)
+        elif k % g == 0:
+            scale, zero = Q.rtn_params(snapshot[:, k:k + g], bits, -1)
+            fitted[k // g] = (scale, zero)
+        c = torch.clamp(torch.round(W[:, k] / scale[:, 0]) + zero[:, 0], 0, 2 ** bits - 1)
+        err = (W[:, k] - scale[:, 0] * (c - zero[:, 0])) / U[k, k]
+        W[:, k:] -= err[:, None] * U[k, k:][None, :]
+        codes[:, k] = c.long()
+    return codes[:, torch.argsort(order)], fitted
+
+
+@pytest.mark.parametrize("actorder,static", [(False, False), (True, False), (True, True),
+                                             (False, True)])
+def test_gptq_groups_match_the_reference_procedure(actorder, static):
+    """A fixed 4 x 8 case with groups of 2 inside blocks of 4: groups fitted at block start (the
+    reference), act-order's scattered groups, static groups; code for code."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(4, 8, generator=g, dtype=torch.float64)
+    x = torch.randn(64, 8, generator=g, dtype=torch.float64) @ torch.randn(8, 8, generator=g,
+                                                                          dtype=torch.float64)
+    x = x * torch.linspace(0.5, 2.0, 8, dtype=torch.float64)     # a clear act order
+    H = 2 / 64 * x.T @ x
+    for bits in (2, 3):
+        q = Q.gptq(w, H, bits, group_size=2, blocksize=4, actorder=actorder, static_groups=static)
+        expected, fitted = _gptq_by_the_book(w, H, bits, 2, 4, actorder, static)
+        assert torch.equal(q.codes.long(), expected), (bits, q.codes, expected)
+        # the stored groups dequantize what was coded
+        if actorder and not static:
+            assert q.g_idx is not None and sorted(q.g_idx.tolist()) == [0, 0, 1, 1, 2, 2, 3, 3]
+            for k, (scale, _) in fitted.items():
+                assert torch.allclose(q.scale[:, k].double(), scale[:, 0].double(), rtol=1e-6)
+        else:
+            assert q.g_idx is None
+        deq = q.dequantize()
+        assert deq.shape == w.shape and torch.isfinite(deq).all()
+
+
+def test_gptq_group_fit_uses_block_start_weights_not_in_block_updates():
+    """Within a block, the second group's quantizer must not see the first group's updates."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    x = torch.randn(32, 4, generator=g, dtype=torch.float64)
+    x[:, 1] = x[:, 0] + 0.1 * x[:, 1]                       # strongly correlated inputs
+    H = 2 / 32 * x.T @ x
+    q = Q.gptq(w, H, 2, group_size=2, blocksize=4)          # one block, two groups
+    s_fit, _ = Q.rtn_params(w[:, 2:4], 2, -1)               # block start = the original weights
+    assert torch.allclose(q.scale[:, 1].double(), s_fit[:, 0].double(), rtol=1e-6)
+
+
+def test_quantlinear_refuses_scattered_groups():
+    w = torch.randn(4, 8, dtype=torch.float64)
+    H = torch.diag(torch.arange(1.0, 9.0, dtype=torch.float64))
+    q = Q.gptq(w, H, 3, group_size=4, blocksize=4, actorder=True)
+    with pytest.raises(ValueError, match="static_groups=True"):
+        Q.QuantLinear(q)
+    Q.QuantLinear(Q.gptq(w, H, 3, group_size=4, blocksize=4, actorder=True, static_groups=True))

@@ -11,46 +11,72 @@ from .grid import Quantized, rtn_params
 # -- GPTQ -------------------------------------------------------------------------------------
 
 def gptq(w: torch.Tensor, H: torch.Tensor, bits: int, group_size: int = 128, sym: bool = True,
-         blocksize: int = 128, percdamp: float = 0.01, actorder: bool = False) -> Quantized:
-    """GPTQ (Frantar et al. 2023, Algorithm 1) of one (out, in) weight given ``H = 2/N X X^T``.
+         blocksize: int = 128, percdamp: float = 0.01, actorder: bool = False,
+         static_groups: bool = False) -> Quantized:
+    """GPTQ (Frantar et al. 2023, Algorithm 1) of one (out, in) weight given ``H = 2/N X X^T``,
+    as ``GPTQ.fasterquant`` of the reference ``IST-DASLab/gptq`` (``gptq.py``) does it.
 
     Columns are quantized one at a time; the error of column ``i``, divided by ``[H^-1]_ii``
     (the Cholesky factor's diagonal), is spread over the not-yet-quantized columns through row
     ``i`` of the upper Cholesky factor of ``H^-1`` (eq. 3 with the Cholesky reformulation of
-    Sec. 3.3). Updates inside a block of ``blocksize`` columns are immediate; the rest of the
-    matrix is updated lazily once per block. With groups, the quantizer (scale, zero) is re-fit
-    on the current (already error-corrected) weights at each group start.
+    Sec. 3.3). Inside a block of ``blocksize`` columns the updates are immediate; the columns
+    after the block are updated once per block (lazy batch updates). Dead inputs (zero
+    ``H_ii``) are zeroed; damping adds ``percdamp * mean(diag H)``.
+
+    Groups, as the reference fits them:
+
+    - default: the quantizer (scale, zero) of a group is fitted when its first column comes up,
+      on the weights *as they stand at the start of the current block*, that is after the lazy
+      updates of earlier blocks but before the in-block updates (the reference calls
+      ``find_params(W[:, i:i + groupsize])`` on the outer ``W``, not on the block copy ``W1``
+      that the in-block updates change);
+    - ``actorder``: columns are processed by decreasing ``H_ii``; groups are runs of
+      ``group_size`` consecutive columns *in that order*, so a group's columns are scattered in
+      the original layout: the result carries ``g_idx`` (each column's group);
+    - ``static_groups``: every group's quantizer is fitted once, on the original weight (dead
+      inputs zeroed) before the sweep, in the original column layout; with ``actorder`` a column
+      still uses the group of its original index.
+
+    With ``H = I`` it is exactly RTN.
     """
-    W = w.detach().clone().float()
+    dtype = torch.float64 if w.dtype == torch.float64 else torch.float32
+    W = w.detach().clone().to(dtype)
     rows, cols = W.shape
     H = H.detach().clone().double()
+    g = cols if group_size <= 0 else group_size
+    if cols % g:
+        raise ValueError(f"in-features {cols} is not a multiple of group_size {g}")
     dead = torch.diag(H) == 0                       # inputs that never fire
     H[dead, dead] = 1
     W[:, dead] = 0
-    perm = None
+    if static_groups:                               # fitted before any column moves
+        s_static, z_static = rtn_params(W, bits, g, sym)
+        s_static, z_static = s_static.to(dtype), z_static.to(dtype)
+    perm = torch.arange(cols, device=W.device)
     if actorder:
         perm = torch.argsort(torch.diag(H), descending=True)
         W, H = W[:, perm], H[perm][:, perm]
     damp = percdamp * torch.mean(torch.diag(H))
     H += damp * torch.eye(cols, dtype=H.dtype, device=H.device)
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
-    Hinv = Hinv.float()
-    g = cols if group_size <= 0 else group_size
+    Hinv = Hinv.to(dtype)
     dev = W.device
-    codes = torch.zeros(rows, cols, dtype=torch.int16, device=dev)
-    scales = torch.zeros(rows, cols // g, device=dev)
-    zeros = torch.zeros(rows, cols // g, device=dev)
+    codes = torch.zeros(rows, cols, dtype=torch.int16, device=dev)   # in processing order
+    scales = torch.zeros(rows, cols // g, dtype=dtype, device=dev)   # by group, processing order
+    zeros = torch.zeros(rows, cols // g, dtype=dtype, device=dev)
     scale = zero = None
     for i1 in range(0, cols, blocksize):
         i2 = min(i1 + blocksize, cols)
-        W1, Err1 = W[:, i1:i2].clone(), torch.zeros(rows, i2 - i1, device=dev)
+        W1, Err1 = W[:, i1:i2].clone(), torch.zeros(rows, i2 - i1, dtype=dtype, device=dev)
         Hinv1 = Hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
-            if col % g == 0:                        # re-fit the quantizer for this group
-                cur = torch.cat([W1[:, i:], W[:, i2:]], 1)[:, :g]
-                s, z = rtn_params(cur, bits, -1, sym)
-                scale, zero = s[:, 0], z[:, 0]
+            if static_groups:
+                grp = int(perm[col]) // g
+                scale, zero = s_static[:, grp], z_static[:, grp]
+            elif col % g == 0:                      # fit on W (block start), not on W1
+                s, z = rtn_params(W[:, col:col + g], bits, -1, sym)
+                scale, zero = s[:, 0].to(dtype), z[:, 0].to(dtype)
                 scales[:, col // g], zeros[:, col // g] = scale, zero
             w_col = W1[:, i]
             c = torch.clamp(torch.round(w_col / scale) + zero, 0, 2 ** bits - 1)
@@ -60,11 +86,14 @@ def gptq(w: torch.Tensor, H: torch.Tensor, bits: int, group_size: int = 128, sym
             W1[:, i:] -= err.unsqueeze(1) @ Hinv1[i, i:].unsqueeze(0)
             Err1[:, i] = err
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]        # lazy batch update of later columns
-    if perm is not None:
-        if group_size > 0:
-            raise NotImplementedError("actorder with groups needs static groups; not implemented")
-        codes = codes[:, torch.argsort(perm)]
-    return Quantized(codes, scales, zeros, bits, group_size)
+    invperm = torch.argsort(perm)
+    codes = codes[:, invperm]
+    if static_groups:
+        return Quantized(codes, s_static.float(), z_static.float(), bits, group_size)
+    if actorder and g < cols:
+        g_idx = invperm // g                        # column j sat at position invperm[j]
+        return Quantized(codes, scales.float(), zeros.float(), bits, group_size, g_idx=g_idx)
+    return Quantized(codes, scales.float(), zeros.float(), bits, group_size)
 
 
 class HessianCollector:

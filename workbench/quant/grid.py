@@ -40,7 +40,7 @@ def levels(bits: int, sym: bool = True) -> torch.Tensor:
 def rtn_params(w: torch.Tensor, bits: int, group_size: int = 128, sym: bool = True):
     """Per-group ``(scale, zero)``, each (out, G), as GPTQ's ``Quantizer.find_params``."""
     maxq = 2 ** bits - 1
-    wg = _groups(w.float(), group_size)
+    wg = _groups(w.to(torch.float64 if w.dtype == torch.float64 else torch.float32), group_size)
     xmin = wg.amin(-1).clamp(max=0)
     xmax = wg.amax(-1).clamp(min=0)
     if sym:
@@ -69,21 +69,31 @@ def dequantize(codes, scale, zero, group_size: int) -> torch.Tensor:
 
 @dataclass
 class Quantized:
-    """Integer codes and per-group scale and zero point of one (out, in) weight."""
+    """Integer codes and per-group scale and zero point of one (out, in) weight.
+
+    Groups are runs of ``group_size`` consecutive input columns, unless ``g_idx`` (in,) names
+    each column's group (GPTQ with act-order, whose groups follow the processing order).
+    """
     codes: torch.Tensor       # (out, in) int16 in [0, 2**bits - 1]
     scale: torch.Tensor       # (out, G)
     zero: torch.Tensor        # (out, G)
     bits: int
     group_size: int
+    g_idx: torch.Tensor | None = None
+
+    def per_column(self, t: torch.Tensor) -> torch.Tensor:
+        """A per-group (out, G) tensor as per-weight (out, in)."""
+        if self.g_idx is not None:
+            return t[:, self.g_idx]
+        return expand_groups(t, self.group_size, self.codes.shape[1])
 
     def dequantize(self) -> torch.Tensor:
-        return dequantize(self.codes, self.scale, self.zero, self.group_size)
+        return self.per_column(self.scale) * (self.codes.float() - self.per_column(self.zero))
 
     @property
     def level_index(self) -> torch.Tensor:
         """Codes as signed levels ``codes - zero`` (symmetric grids)."""
-        return self.codes.long() - expand_groups(self.zero, self.group_size,
-                                                 self.codes.shape[1]).long()
+        return self.codes.long() - self.per_column(self.zero).long()
 
 
 def rtn(w: torch.Tensor, bits: int, group_size: int = 128, sym: bool = True) -> Quantized:

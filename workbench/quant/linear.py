@@ -16,6 +16,10 @@ class QuantLinear(nn.Module):
 
     def __init__(self, q: Quantized, bias: torch.Tensor | None = None):
         super().__init__()
+        if q.g_idx is not None:
+            raise ValueError("QuantLinear holds groups of consecutive inputs; GPTQ with "
+                             "actorder and groups gives scattered groups: pass "
+                             "static_groups=True (the reference's option for this)")
         self.bits, self.group_size = q.bits, q.group_size
         self.out_features, self.in_features = q.codes.shape
         self.register_buffer("codes", q.codes.to(torch.int16))
