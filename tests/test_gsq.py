@@ -46,14 +46,57 @@ def test_gsq_improves_on_its_start_at_low_bits():
         assert len(hist["loss"]) == 100 and sum(hist["flips"]) > 0
 
 
+def _relaxed_inputs(K=4, B=2, O=3, I=8, g=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(K, B, O, I, generator=gen, dtype=torch.float64)
+    rho = 0.1 * torch.randn(B, O, I // g, generator=gen, dtype=torch.float64)
+    s0 = 0.5 + torch.rand(B, O, I // g, generator=gen, dtype=torch.float64)
+    w = torch.randn(B, O, I, generator=gen, dtype=torch.float64)
+    X = torch.randn(B, 32, I, generator=gen, dtype=torch.float64)
+    H = 2 / 32 * X.transpose(1, 2) @ X
+    norm = torch.einsum("boi,bij,boj->b", w, H, w).view(B, 1, 1)
+    grid = Q.levels(2).double()
+    gumbel = 0.3 * -torch.log(torch.empty_like(z).exponential_(generator=gen))
+    return z, rho, s0, w, H, grid, norm, gumbel
+
+
+def test_gsq_closed_form_gradients_match_autograd():
+    """The gradients gsq() steps with (relaxed_step) are those of eq. (3) at eqs. (1)-(2)."""
+    z, rho, s0, w, H, grid, norm, gumbel = _relaxed_inputs()
+    for tau, noise in ((1.0, None), (0.3, gumbel), (0.05, gumbel)):
+        loss, gz, grho = M.relaxed_step(z.clone(), rho, s0, w, H, grid, tau, norm, noise)
+        za, ra = z.clone().requires_grad_(), rho.clone().requires_grad_()
+        p = torch.softmax((za if noise is None else za + noise) / tau, dim=0)   # eq. (1)
+        w_tilde = Q.expand_groups(s0 * ra.exp(), 4, 8) * torch.tensordot(grid, p, dims=1)
+        d = w_tilde - w
+        ref = torch.einsum("boi,bij,boj->b", d, H, d) / norm.view(-1)           # eq. (3)
+        ref.sum().backward()
+        assert torch.allclose(loss, ref.detach(), rtol=1e-12)
+        assert torch.allclose(gz, za.grad, rtol=1e-9, atol=1e-12)
+        assert torch.allclose(grho, ra.grad, rtol=1e-9, atol=1e-12)
+
+
 def test_relaxation_anneals_to_the_argmax():
-    z = torch.randn(3, 5, 4)
-    grid = Q.levels(2).float()
-    s = torch.full((3, 5), 0.7)
-    hard = s * grid[z.argmax(-1)]
-    assert torch.allclose(M.relaxed_weight(z, grid, s, tau=1e-4), hard)
+    """As tau -> 0 the relaxed weight is the hard one: the loss at the argmax levels."""
+    z, rho, s0, w, H, grid, norm, _ = _relaxed_inputs(seed=1)
+    loss, _, _ = M.relaxed_step(z.clone(), rho, s0, w, H, grid, 1e-6, norm)
+    d = Q.expand_groups(s0 * rho.exp(), 4, 8) * grid[z.argmax(0)] - w
+    hard = torch.einsum("boi,bij,boj->b", d, H, d) / norm.view(-1)
+    assert torch.allclose(loss, hard, rtol=1e-10)
     cfg = M.GSQConfig(steps=11, tau_start=1.0, tau_end=0.01)
     assert M.temperature(0, cfg) == 1.0 and abs(M.temperature(10, cfg) - 0.01) < 1e-12
+
+
+def test_final_weights_lie_on_the_grid_after_annealing():
+    """14's C3 (weights end on the grid) holds by construction: every stored weight is
+    scale * level exactly, with the level in the grid."""
+    W, H = _problem(seed=2)
+    q0, idx, scale, hist = _run(W, H, 2, steps=40)
+    assert hist["tau"][-1] == M.GSQConfig().tau_end
+    lv = Q.levels(2).float()[idx]
+    w_hat = Q.expand_groups(scale, 32, 64) * lv
+    assert set(torch.unique(lv).tolist()) <= set(Q.levels(2).tolist())
+    assert torch.equal(w_hat / Q.expand_groups(scale, 32, 64), lv)
 
 
 def test_optimal_scales_match_least_squares():

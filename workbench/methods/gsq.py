@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..quant import Quantized, block_linears, expand_groups, rtn, gptq, output_error
+from ..quant import Quantized, block_linears, expand_groups, gptq, levels, output_error, rtn
 
 
 @dataclass
@@ -55,13 +55,29 @@ def temperature(step: int, cfg: GSQConfig) -> float:
     return cfg.tau_start * (cfg.tau_end / cfg.tau_start) ** frac
 
 
-def relaxed_weight(z, grid, scale_full, tau: float, noise: float = 0.0, generator=None):
-    """Eqs. (1)-(2): the Gumbel-Softmax expectation of the grid, times the per-weight scale."""
-    if noise > 0:
-        u = torch.rand(z.shape, generator=generator, device=z.device).clamp_(1e-9, 1 - 1e-9)
-        z = z - noise * torch.log(-torch.log(u))          # + lambda * Gumbel(0, 1)
-    p = torch.softmax(z / tau, dim=-1)
-    return scale_full * (p @ grid)
+def relaxed_step(z, rho, s0, w, H, grid, tau: float, norm, gumbel=None):
+    """Eq. (3) at the relaxed weights of eqs. (1)-(2), and its gradients in closed form.
+
+    ``z`` (K, B, out, in) logits (K first: a softmax over a leading dim is fast), ``rho``
+    (B, out, G) log-scale offsets (``s = s0 exp(rho)``), ``gumbel`` an optional Gumbel(0, 1) draw
+    already multiplied by lambda. Returns ``(loss (B,), dL/dz, dL/drho)``. Written out rather than
+    autograd: on a CPU it is several times faster over the (K, B, out, in) logits, and a test
+    checks it against autograd.
+    """
+    B, O, I = w.shape
+    g = I // rho.shape[-1]
+    zz = (z if gumbel is None else z + gumbel) / tau
+    p = torch.softmax(zz, dim=0)                                       # eq. (1)
+    del zz
+    E = torch.tensordot(grid, p, dims=1)                               # expected level
+    s_full = expand_groups(s0 * rho.exp(), g, I)
+    d = s_full * E - w                                                 # eq. (2) minus W
+    dH = torch.bmm(d, H)
+    loss = (dH * d).sum((1, 2)) / norm.view(B)                         # eq. (3), per layer
+    gws = 2 * dH / norm * s_full                                       # dL/dW_tilde * s
+    grho = (gws * E).view(B, O, I // g, g).sum(-1)                     # dL / d rho
+    gz = p.mul_(grid.view(-1, 1, 1, 1) - E).mul_(gws / tau)            # softmax Jacobian
+    return loss, gz, grho
 
 
 def optimal_scales(w, H, lv, group_size: int, ridge: float = 1e-8):
@@ -94,41 +110,28 @@ def gsq(w: torch.Tensor, H: torch.Tensor, init: Quantized, cfg: GSQConfig | None
     scale, history)``: the chosen level index in ``0..K-1`` per weight, the final scales, and
     per-step loss, temperature and assignment flips.
 
-    The gradients of eq. (3) are written out (the softmax Jacobian in closed form) and Adam is
-    applied by hand: on a CPU this is several times faster than autograd over the (K, B, out,
-    in) logits, and it is the same algorithm.
+    The gradients of eq. (3) come from :func:`relaxed_step`; ``torch.optim.Adam`` steps the
+    logits and the log-scales, with learning rates decaying linearly to 0.
     """
     cfg = cfg or GSQConfig()
     B, O, I = w.shape
     g = init.group_size
-    if grid is None:
-        grid = torch.arange(-(2 ** (init.bits - 1)), 2 ** (init.bits - 1)).float()
-    grid = grid.to(w.device)
+    grid = (levels(init.bits).float() if grid is None else grid).to(w.device)
     K = len(grid)
     if cfg.percdamp > 0:                     # the damping GPTQ applies to the same H
         diag = torch.diagonal(H, dim1=-2, dim2=-1)
         H = H + cfg.percdamp * diag.mean(-1).view(B, 1, 1) * torch.eye(I, device=H.device)
-    gk = grid.view(K, 1, 1, 1)
-    lv0 = init.codes.long() - expand_groups3(init.zero, g, I).long()   # signed levels
+    lv0 = init.codes.long() - expand_groups(init.zero, g, I).long()    # signed levels
     idx0 = lv0 - int(grid[0])                                          # index into grid
     s0 = init.scale.float().clone()
-    # initial logits (K first: softmax over a leading dim is fast): a bonus for the starting
-    # level plus a distance prior -(w/s - l_k)^2 to the others
-    z = -(w / expand_groups3(s0, g, I) - gk) ** 2
+    # initial logits: a bonus for the starting level plus a distance prior -(w/s - l_k)^2
+    z = -(w / expand_groups(s0, g, I) - grid.view(K, 1, 1, 1)) ** 2
     z.scatter_add_(0, idx0.unsqueeze(0),
                    torch.full((1, B, O, I), cfg.init_margin, device=w.device))
     rho = torch.zeros_like(s0)                                         # s = s0 * exp(rho)
-    state = {"z": [torch.zeros_like(z), torch.zeros_like(z)],
-             "rho": [torch.zeros_like(rho), torch.zeros_like(rho)]}
-    b1, b2, eps = 0.9, 0.999, 1e-8
-
-    def adam(x, grad, key, lr, t):
-        m, v = state[key]
-        m.mul_(b1).add_(grad, alpha=1 - b1)
-        v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
-        denom = (v / (1 - b2 ** t)).sqrt_().add_(eps)
-        x.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
-
+    opt = torch.optim.Adam([{"params": [z], "lr": cfg.lr},
+                            {"params": [rho], "lr": cfg.scale_lr}], betas=(0.9, 0.999), eps=1e-8)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1 - t / cfg.steps)
     norm = torch.einsum("boi,bij,boj->b", w, H, w).clamp(min=1e-12).view(B, 1, 1)
     hist = {"loss": [], "tau": [], "flips": []}
     prev = idx0.clone()
@@ -136,25 +139,13 @@ def gsq(w: torch.Tensor, H: torch.Tensor, init: Quantized, cfg: GSQConfig | None
     for t in range(cfg.steps):
         tau = temperature(t, cfg)
         lam = cfg.noise * max(0.0, 1 - t / half)                      # noise off mid-way
+        gumbel = None
         if lam > 0:                       # eq. (1): + lambda Gumbel, Gumbel = -log Exp(1)
-            e = torch.empty_like(z).exponential_(generator=generator).clamp_(min=1e-20)
-            zz = e.log_().mul_(-lam).add_(z).div_(tau)
-        else:
-            zz = z / tau
-        p = torch.softmax(zz, dim=0)
-        del zz
-        E = torch.tensordot(grid, p, dims=1)                           # expected level
-        s_full = expand_groups3(s0 * rho.exp(), g, I)
-        d = s_full * E - w                                             # eq. (2) minus W
-        dH = torch.bmm(d, H)
-        loss = (dH * d).sum((1, 2), keepdim=True) / norm               # eq. (3), per layer
-        gw = 2 * dH / norm                                             # dL / dW_tilde
-        gws = gw * s_full
-        grho = (gws * E).view(B, O, I // g, g).sum(-1)                 # dL / d rho
-        gz = p.mul_(gk - E).mul_(gws / tau)                            # softmax Jacobian
-        decay = 1 - t / cfg.steps                                      # linear lr decay
-        adam(z, gz, "z", cfg.lr * decay, t + 1)
-        adam(rho, grho, "rho", cfg.scale_lr * decay, t + 1)
+            gumbel = torch.empty_like(z).exponential_(generator=generator).clamp_(min=1e-20)
+            gumbel = gumbel.log_().mul_(-lam)
+        loss, z.grad, rho.grad = relaxed_step(z, rho, s0, w, H, grid, tau, norm, gumbel)
+        opt.step()
+        sched.step()
         cur = z.argmax(0)
         hist["flips"].append(int((cur != prev).sum()))
         prev = cur
@@ -167,11 +158,6 @@ def gsq(w: torch.Tensor, H: torch.Tensor, init: Quantized, cfg: GSQConfig | None
         ok = torch.isfinite(solved) & (solved * s0 > 0)        # keep the sign, never zero
         scale = torch.where(ok, solved, scale)
     return idx, scale, hist
-
-
-def expand_groups3(t: torch.Tensor, group_size: int, cols: int) -> torch.Tensor:
-    """(B, out, G) -> (B, out, in), each group's value repeated ``group_size`` times."""
-    return t.repeat_interleave(group_size, dim=-1)
 
 
 # -- whole-model drivers ----------------------------------------------------------------------
@@ -218,14 +204,13 @@ def quantize_model(model, hessians: dict, method: str, bits: int, group_size: in
                           torch.stack([starts[n].scale for n in names]),
                           torch.stack([starts[n].zero for n in names]), bits, group_size)
         t1 = time.time()
-        idx, scale, hist = gsq(W, Hs, batch, cfg, gen, grid)
+        gvals = (levels(bits).float() if grid is None else grid).to(dev)
+        idx, scale, hist = gsq(W, Hs, batch, cfg, gen, gvals)
         secs = time.time() - t1
-        gvals = (grid if grid is not None else torch.arange(-(2 ** (bits - 1)),
-                                                           2 ** (bits - 1)).float()).to(dev)
         for j, n in enumerate(names):
             lv = gvals[idx[j]].round().long()
             zero = starts[n].zero
-            codes = (lv + expand_groups3(zero, group_size, lv.shape[1]).long()).to(torch.int16)
+            codes = (lv + expand_groups(zero, group_size, lv.shape[1]).long()).to(torch.int16)
             q = Quantized(codes, scale[j], zero, bits, group_size)
             weights[n] = q.dequantize()
             info[n] = {"q": q, "levels": lv, "seconds": secs / len(names), "hist": hist,

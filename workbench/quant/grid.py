@@ -27,9 +27,9 @@ def _groups(w: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def expand_groups(t: torch.Tensor, group_size: int, cols: int) -> torch.Tensor:
-    """Per-group (out, G) values repeated to per-weight (out, in)."""
+    """Per-group (..., out, G) values repeated to per-weight (..., out, in) (batches too)."""
     g = cols if group_size <= 0 else group_size
-    return t.repeat_interleave(g, dim=1)
+    return t.repeat_interleave(g, dim=-1)
 
 
 def levels(bits: int, sym: bool = True) -> torch.Tensor:
