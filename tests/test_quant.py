@@ -260,3 +260,13 @@ def test_quantlinear_refuses_scattered_groups():
     with pytest.raises(ValueError, match="static_groups=True"):
         Q.QuantLinear(q)
     Q.QuantLinear(Q.gptq(w, H, 3, group_size=4, blocksize=4, actorder=True, static_groups=True))
+
+
+def test_q4_0_round_trip_through_quantized_is_exact():
+    w = torch.randn(8, 64).numpy()
+    q = Q.q4_0_quantized(w)
+    assert torch.equal(q.dequantize(), torch.from_numpy(Q.gguf_dequantize(Q.gguf_quantize(w, "Q4_0"), "Q4_0")))
+    lv, d = Q.q4_0_codes(q)
+    assert np.array_equal(Q.pack_q4_0(lv, d), Q.gguf_quantize(w, "Q4_0"))   # the same bytes
+    with pytest.raises(ValueError, match="groups of 32"):
+        Q.q4_0_codes(Q.rtn(torch.from_numpy(w), 4, 64))
