@@ -25,6 +25,49 @@ def test_dormant_averages_spatial_positions_like_the_batch():
     assert torch.allclose(d.dormant_scores(acts), torch.tensor([1.5, 0.0, 1.5]))
 
 
+def test_activity_sees_dead_relu_and_saturated_tanh_units():
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(512, 4, generator=g)
+    h = torch.empty(512, 4)
+    h[:, 0] = torch.relu(z[:, 0] - 10.0)           # dead ReLU unit: 0 for every state
+    h[:, 1] = torch.tanh(0.3 * z[:, 1] + 6.0)      # saturated tanh: about +1 for every state
+    h[:, 2] = torch.tanh(z[:, 2])                  # live units
+    h[:, 3] = torch.relu(z[:, 3])
+    a = d.activity_scores(h)
+    assert (a[:2] <= 0.1).all() and (a[2:] > 0.5).all()
+    assert d.inactive_fraction(h) == pytest.approx(0.5)
+    # the tau-dormant score (mean |h|) sees the dead unit but not the saturated one
+    s = d.dormant_scores(h)
+    assert s[0] <= 0.1 and s[1] > 1.0
+    assert d.dormant_fraction(h, tau=0.1) == pytest.approx(0.25)
+
+
+def test_activity_is_the_normalized_standard_deviation():
+    h = torch.tensor([[0.0, 1.0, 5.0], [2.0, 1.0, 1.0]])       # sd across states: 1, 0, 2
+    assert torch.allclose(d.activity_scores(h), torch.tensor([1.0, 0.0, 2.0]), atol=1e-6)
+    assert d.inactive_fraction(h, tau=0.0) == pytest.approx(1 / 3)
+    assert d.inactive_fraction(h, tau=1.0) == pytest.approx(2 / 3)
+    # invariant to the level and the scale of the whole layer
+    assert torch.allclose(d.activity_scores(3.0 * h - 7.0), d.activity_scores(h), atol=1e-6)
+    # an all-constant layer is all inactive (the eps keeps it finite)
+    assert d.inactive_fraction(torch.ones(5, 3)) == 1.0
+
+
+def test_activity_of_feature_maps_is_per_channel_across_states():
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(64, 3, 5, 5, generator=g)         # batch x channels x H x W
+    pattern = torch.randn(5, 5, generator=g)
+    h[:, 1] = pattern                                  # the same map for every state: constant
+    h[:, 2] = 0.0                                      # dead channel
+    a = d.activity_scores(h)
+    assert a.shape == (3,) and a[0] > 2.0 and a[1] == 0.0 and a[2] == 0.0
+    assert d.inactive_fraction(h) == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="batch"):
+        d.activity_scores(torch.ones(1, 4))
+    with pytest.raises(ValueError, match="units"):
+        d.activity_scores(torch.ones(8))
+
+
 def test_saturated_fraction_finds_constant_tanh_units():
     g = torch.Generator().manual_seed(0)
     acts = torch.tanh(torch.randn(256, 4, generator=g))
@@ -52,16 +95,27 @@ def test_srank_accepts_numpy_and_matrices_of_any_shape():
         d.singular_values(torch.zeros(2, 2, 2))
 
 
-def test_ablate_singular_removes_exactly_that_component():
+@pytest.mark.parametrize("k", [0, 2])
+def test_ablate_singular_removes_exactly_that_component(k):
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(12, 10, generator=g, dtype=torch.float64)
+    u, s, vh = torch.linalg.svd(w, full_matrices=False)
+    a = d.ablate_singular(w, k)
+    # the named singular value is gone (one zero appears), every other one is untouched
+    expected = torch.cat([s[:k], s[k + 1:], torch.zeros(1, dtype=s.dtype)])
+    assert torch.allclose(torch.linalg.svdvals(a), expected, atol=1e-10)
+    # its singular vectors are in the kernels of the ablated matrix: the change is s_k u_k v_k^T
+    assert torch.allclose(a @ vh[k], torch.zeros(12, dtype=w.dtype), atol=1e-10)
+    assert torch.allclose(u[:, k] @ a, torch.zeros(10, dtype=w.dtype), atol=1e-10)
+    assert torch.allclose(w - a, s[k] * torch.outer(u[:, k], vh[k]), atol=1e-10)
+
+
+def test_ablate_singular_removes_several_components():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(6, 5, generator=g, dtype=torch.float64)
     s = torch.linalg.svdvals(w)
-    s1 = torch.linalg.svdvals(d.ablate_singular(w, 0))
-    # the ablated matrix has the other singular values unchanged and a zero in place of s_0
-    assert torch.allclose(torch.sort(s1, descending=True).values[:4], s[1:], atol=1e-10)
-    assert s1.min() < 1e-10
     s2 = torch.linalg.svdvals(d.ablate_singular(w, [1, 2]))
-    assert torch.allclose(torch.sort(s2, descending=True).values[:3], s[[0, 3, 4]], atol=1e-10)
+    assert torch.allclose(s2[:3], s[[0, 3, 4]], atol=1e-10) and s2[3:].max() < 1e-10
 
 
 def test_ablate_random_removes_equal_norm():
@@ -71,6 +125,8 @@ def test_ablate_random_removes_equal_norm():
     removed = w - d.ablate_random(w, 0, generator=g)
     assert torch.linalg.matrix_rank(removed) == 1
     assert torch.linalg.norm(removed) == pytest.approx(float(s[0]))
+    # a control, not the same ablation: the removed direction is not the top singular pair
+    assert not torch.allclose(removed, w - d.ablate_singular(w, 0), atol=1e-3)
 
 
 def test_hutchinson_is_exact_for_a_diagonal_hessian():

@@ -89,8 +89,8 @@ def test_representation_stats_on_a_torso():
     torch.manual_seed(0)
     t = hr.Torso("hadamard", "classic", (4,), 3, width=16)
     st = hr.representation_stats(t, torch.randn(200, 4))
-    assert set(st) == {"dormant", "saturated", "srank", "erank", "sv"}
-    assert 0 <= st["dormant"] <= 1 and 0 <= st["saturated"] <= 1
+    assert set(st) == {"inactive", "dormant", "saturated", "srank", "erank", "sv"}
+    assert all(0 <= st[k] <= 1 for k in ("inactive", "dormant", "saturated"))
     assert 1 <= st["srank"] <= 16 and 1 <= st["erank"] <= 16
     assert st["sv"].shape == (16,)
     assert math.isclose(st["erank"], float(torch.exp(torch.distributions.Categorical(

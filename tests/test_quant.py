@@ -262,6 +262,14 @@ def test_quantlinear_refuses_scattered_groups():
     Q.QuantLinear(Q.gptq(w, H, 3, group_size=4, blocksize=4, actorder=True, static_groups=True))
 
 
+def test_q4_0_round_trip_through_quantized_is_exact():
+    w = torch.randn(8, 64).numpy()
+    q = Q.q4_0_quantized(w)
+    assert torch.equal(q.dequantize(), torch.from_numpy(Q.gguf_dequantize(Q.gguf_quantize(w, "Q4_0"), "Q4_0")))
+    lv, d = Q.q4_0_codes(q)
+    assert np.array_equal(Q.pack_q4_0(lv, d), Q.gguf_quantize(w, "Q4_0"))   # the same bytes
+    with pytest.raises(ValueError, match="groups of 32"):
+        Q.q4_0_codes(Q.rtn(torch.from_numpy(w), 4, 64))
 def test_gptq_per_row_quantizer_is_fitted_before_dead_inputs_are_zeroed():
     """Without groups the reference fits each row's quantizer on the whole weight first, so a
     dead input's large weight still sets the row's scale (then that input is coded as 0)."""

@@ -1,13 +1,16 @@
 """Smoke tests of the RL agents and environments (tiny budgets, seconds in all)."""
+import math
+
 import numpy as np
 import pytest
 import torch
 
 from workbench.methods.hadamard import torso_factory
 from workbench.rl import ENV_IDS, check_env_id, env_family, make_vec_env
-from workbench.rl.dqn import DQNSettings, train_dqn
+from workbench.rl.dqn import DQNSettings, QNetwork, train_dqn
 from workbench.rl.envs import finished_episodes
-from workbench.rl.ppo import PPOSettings, train_ppo
+from workbench.rl.ppo import (LOG_KEYS, ActorCritic, PPOSettings, clip_fraction,
+                              explained_variance, kl_estimates, train_ppo)
 
 
 def test_unknown_env_id_lists_the_choices():
@@ -54,29 +57,84 @@ def test_minatar_env_shape_and_seeding():
     assert envs.single_action_space.n == 3
 
 
+def initial_network(build):
+    """The network an agent starts from: the agents call torch.manual_seed(seed) and then build
+    it before any other torch draw (the environments use numpy), so building it right after the
+    same seed gives the same weights."""
+    torch.manual_seed(0)
+    return build()
+
+
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
 @pytest.mark.parametrize("kind", ["standard", "hadamard", "wide"])
-def test_ppo_smoke_step_runs_and_learns_something(kind):
+def test_ppo_smoke_step_runs_and_updates_the_network(kind):
     calls = []
+    torso_fn = torso_factory(kind, "classic", width=16)
     s = PPOSettings(total_timesteps=512, num_envs=4, num_steps=64, diag_every=1)
-    out = train_ppo(s, torso_fn=torso_factory(kind, "classic", width=16), seed=0,
+    out = train_ppo(s, torso_fn=torso_fn, seed=0,
                     on_update=lambda u, step, agent, obs: calls.append((u, step, tuple(obs.shape))))
     assert calls == [(1, 256, (256, 4)), (2, 512, (256, 4))]
     assert len(out["episodes"]) > 0
-    before = torso_factory(kind, "classic", width=16)((4,), 3)
-    torch.manual_seed(0)
-    assert any(not torch.equal(p, q) for p, q in zip(out["agent"].torso.state_dict().values(),
-                                                     before.state_dict().values()))
+    init = initial_network(lambda: ActorCritic(torso_fn, (4,), 2))
+    # the reference is the agent's true initial network: with a zero learning rate it is unchanged
+    frozen = train_ppo(PPOSettings(total_timesteps=512, num_envs=4, num_steps=64, learning_rate=0.0),
+                       torso_fn=torso_fn, seed=0)
+    assert same_weights(frozen["agent"], init)
+    # and training moved every part of it: torso, policy head and value head
+    for part in ("torso", "actor", "critic"):
+        assert not same_weights(getattr(out["agent"], part), getattr(init, part)), part
+
+
+def test_ppo_logs_the_reference_diagnostics_every_update():
+    s = PPOSettings(total_timesteps=768, num_envs=4, num_steps=64, learning_rate=1e-2)
+    out = train_ppo(s, torso_fn=torso_factory("hadamard", "classic", width=16), seed=1)
+    logs = out["logs"]
+    assert [r["update"] for r in logs] == [1, 2, 3] and [r["step"] for r in logs] == [256, 512, 768]
+    for r in logs:
+        assert set(LOG_KEYS) <= set(r)
+        assert r["approx_kl"] >= 0 and 0 <= r["clipfrac"] <= 1 and r["explained_variance"] <= 1
+        assert all(math.isfinite(r[k]) for k in LOG_KEYS)
+    assert any(r["approx_kl"] > 0 for r in logs) and logs[-1]["learning_rate"] < s.learning_rate
+    # a network that never changes has ratio 1 everywhere: no KL, nothing clipped
+    frozen = train_ppo(PPOSettings(total_timesteps=512, num_envs=4, num_steps=64, learning_rate=0.0),
+                       torso_fn=torso_factory("standard", "classic", width=16), seed=0)["logs"]
+    assert all(abs(r["approx_kl"]) < 1e-6 and r["clipfrac"] == 0.0 for r in frozen)
+
+
+def test_kl_estimators_clipfrac_and_explained_variance_on_known_values():
+    logratio = torch.log(torch.tensor([2.0, 0.5, 1.0, 1.0]))
+    k1, k3 = kl_estimates(logratio)
+    assert k1 == pytest.approx(0.0, abs=1e-7)                       # -mean log r: ln 2 cancels
+    assert k3 == pytest.approx(((1 - math.log(2)) + (-0.5 + math.log(2))) / 4, rel=1e-6)
+    assert kl_estimates(torch.zeros(5)) == (0.0, 0.0)
+    assert clip_fraction(torch.tensor([1.0, 1.1, 1.3, 0.7, 0.85]), 0.2) == pytest.approx(0.4)
+    y = np.array([1.0, 2.0, 3.0, 4.0])
+    assert explained_variance(y, y) == 1.0
+    assert explained_variance(np.full(4, y.mean()), y) == pytest.approx(0.0)
+    assert explained_variance(y[::-1], y) == pytest.approx(-3.0)   # Var[y - rev y] = 4 Var[y]
+    assert math.isnan(explained_variance(y, np.ones(4)))
 
 
 @pytest.mark.parametrize("kind", ["standard", "hadamard"])
 def test_dqn_smoke_step_runs_and_updates(kind):
     calls = []
-    s = DQNSettings(total_timesteps=400, num_envs=2, learning_starts=100, batch_size=16,
+    torso_fn = torso_factory(kind, "classic", width=16)
+    settings = dict(total_timesteps=400, num_envs=2, learning_starts=100, batch_size=16,
                     train_frequency=4, target_network_frequency=50, diag_every=200, diag_batch=32)
-    torch.manual_seed(0)
-    out = train_dqn(s, torso_fn=torso_factory(kind, "classic", width=16), seed=0,
+    out = train_dqn(DQNSettings(**settings), torso_fn=torso_fn, seed=0,
                     on_eval=lambda step, q, obs: calls.append((step, tuple(obs.shape))))
     assert [c[0] for c in calls] == [200, 400] and calls[0][1] == (32, 4)
+    # one TD update every 4 env steps once past learning_starts: steps 104, 108, ..., 400
+    assert out["n_updates"] == len(range(104, 401, 4)) == 75
+    init = initial_network(lambda: QNetwork(torso_fn, (4,), 2))
+    frozen = train_dqn(DQNSettings(**settings, learning_rate=0.0), torso_fn=torso_fn, seed=0)
+    assert same_weights(frozen["q_network"], init)            # the reference is the true start
+    assert not same_weights(out["q_network"].torso, init.torso)
+    assert not same_weights(out["q_network"].head, init.head)
     q = out["q_network"](torch.zeros(3, 4))
     assert q.shape == (3, 2) and torch.isfinite(q).all()
 

@@ -1,11 +1,10 @@
-"""Unit tests for paper 17: pattern labelling, SVD ablation, probes, the RNN and its helpers."""
+"""Unit tests for paper 17: pattern labelling, probes, the RNN and its helpers."""
 import math
 
 import numpy as np
 import pytest
 import torch
 
-from workbench import diagnostics as D
 from workbench.data.patterns import (PatternTask, all_patterns, canonical, distinct_indices,
                                      make_task, transitions)
 from workbench.methods import rnn_abstraction as ra
@@ -67,33 +66,6 @@ def test_distinct_indices_are_distinct_and_uniform():
     assert (x[:, 0] != x[:, 1]).all() and x.min() >= 0 and x.max() < 4
     counts = np.unique(x.numpy(), axis=0, return_counts=True)[1]
     assert len(counts) == 12 and counts.min() > 0.8 * 30000 / 12
-
-
-# -- ablation removes exactly the named component ----------------------------------------------
-@pytest.mark.parametrize("k", [0, 2])
-def test_ablate_singular_removes_exactly_that_component(k):
-    g = torch.Generator().manual_seed(3)
-    w = torch.randn(12, 12, generator=g, dtype=torch.float64)
-    u, s, vh = torch.linalg.svd(w)
-    a = D.ablate_singular(w, k)
-    ua, sa, vha = torch.linalg.svd(a)
-    # the named singular value is gone (one zero appears), every other one is untouched
-    expected = torch.cat([s[:k], s[k + 1:], torch.zeros(1, dtype=s.dtype)])
-    assert torch.allclose(sa, expected, atol=1e-10)
-    # and its singular vectors are in the kernel of the ablated matrix
-    assert torch.allclose(a @ vh[k], torch.zeros(12, dtype=w.dtype), atol=1e-10)
-    assert torch.allclose(u[:, k] @ a, torch.zeros(12, dtype=w.dtype), atol=1e-10)
-    # the change is exactly s_k u_k v_k^T
-    assert torch.allclose(w - a, s[k] * torch.outer(u[:, k], vh[k]), atol=1e-10)
-
-
-def test_random_ablation_control_has_equal_norm():
-    g = torch.Generator().manual_seed(4)
-    w = torch.randn(10, 10, generator=g, dtype=torch.float64)
-    s = torch.linalg.svdvals(w)
-    d = w - D.ablate_random(w, 0, torch.Generator().manual_seed(0))
-    assert torch.linalg.matrix_rank(d) == 1
-    assert math.isclose(float(d.norm()), float(s[0]), rel_tol=1e-9)
 
 
 def test_scaffold_rank_and_norm():

@@ -1,6 +1,7 @@
 """Representation and optimisation diagnostics shared by the notebooks.
 
 - tau-dormant neurons (Sokar et al. 2023, "The Dormant Neuron Phenomenon in Deep RL", eq. 1)
+- inactive units by activity (a unit's spread across states), which also sees saturated tanh units
 - effective rank: srank (Kumar et al. 2021) and the entropy form (Roy & Vetterli 2007)
 - norm / mean trackers over training
 - singular-component ablation of a weight matrix, with an equal-norm random control
@@ -18,7 +19,9 @@ import torch
 
 # -- dormant neurons ---------------------------------------------------------------------------
 def dormant_scores(activations: torch.Tensor) -> torch.Tensor:
-    """Per-unit score s_i = E_x|h_i(x)| / ((1/H) sum_k E_x|h_k(x)|)  (Sokar et al. 2023, eq. 1).
+    """Per-unit score s_i = E_x|h_i(x)| / ((1/H) sum_k E_x|h_k(x)|)  (Sokar et al. 2023, eq. 1,
+    the tau-dormant score of ReDo). It measures a unit's level, not its variation: a saturated
+    tanh unit scores high. :func:`activity_scores` sees both dead and saturated units.
 
     ``activations`` is (batch, units) or (batch, units, *spatial); spatial positions are averaged
     like the batch (as in dopamine's ``redo/weight_recyclers.py``). The denominator gets +1e-9.
@@ -34,6 +37,50 @@ def dormant_fraction(activations: torch.Tensor, tau: float = 0.0) -> float:
     """Fraction of units whose score is <= tau. tau=0 counts exactly-dead units (dopamine's
     default); 0.025 or 0.1 are the usual non-zero choices (timoklein/redo)."""
     return float((dormant_scores(activations) <= tau).float().mean())
+
+
+def _units_last(activations: torch.Tensor) -> torch.Tensor:
+    """(batch, units, *spatial) -> (batch, positions, units); (batch, units) -> (batch, 1, units)."""
+    a = activations.detach().float()
+    if a.dim() < 2:
+        raise ValueError(f"need activations of shape (batch, units) or (batch, channels, *spatial), "
+                         f"got shape {tuple(a.shape)}")
+    return a.reshape(a.shape[0], a.shape[1], -1).transpose(1, 2)
+
+
+def activity_scores(activations: torch.Tensor, eps: float = 1e-9) -> torch.Tensor:
+    """Per-unit activity a_i = sd_x h_i(x) / ((1/H) sum_k sd_x h_k(x) + eps).
+
+    A unit is *inactive* when its output barely varies across states, whatever its level: a dead
+    ReLU unit (always 0) and a saturated tanh unit (always about +-1) both have sd ~ 0, while the
+    tau-dormant score of :func:`dormant_scores` (Sokar et al. 2023, eq. 1, mean |h|) sees only the
+    first, since a saturated tanh unit's |h| is large. Both pass nothing about the state on: the
+    outgoing weights of a constant unit act as a fixed bias downstream (paper 09's argument).
+
+    ``activations`` is (batch, units) or (batch, channels, *spatial). For feature maps the spread
+    is taken across the batch at each position and then averaged over positions, so a channel
+    that draws the same spatial pattern for every state counts as constant (it carries no state
+    information either). The standard deviation is the population one (``unbiased=False``);
+    ``eps`` keeps an all-constant layer at 0 instead of NaN.
+    """
+    a = _units_last(activations)
+    if a.shape[0] < 2:
+        raise ValueError("activity needs a batch of at least 2 states to measure a spread")
+    sd = a.std(dim=0, unbiased=False).mean(dim=0)          # (units,): spread across states
+    return sd / (sd.mean() + eps)
+
+
+def inactive_fraction(activations: torch.Tensor, tau: float = 0.1) -> float:
+    """Fraction of units whose :func:`activity_scores` is <= tau (dead or saturated units).
+
+    tau = 0.1: the unit varies less than a tenth as much as the layer's average unit. For tanh
+    this is where saturation sets in: the slope 1 - tanh(z)^2 is 0.1 at |z| = 1.82, where
+    |tanh z| = 0.95, so to first order a unit whose pre-activations sit there, with the spread of
+    a typical unit of the layer sitting around 0, scores 0.1, and 0.95 is also the |mean| cut-off of
+    :func:`saturated_fraction`. It is the same number as the usual non-zero tau of the
+    tau-dormant score (``dormant_fraction(h, 0.1)``), which is reported beside it.
+    """
+    return float((activity_scores(activations) <= tau).float().mean())
 
 
 def saturated_fraction(activations: torch.Tensor, mean_thresh: float = 0.95,

@@ -1,7 +1,13 @@
-"""House plot style and small plotting helpers. Nothing is set on import: call :func:`style`."""
+"""House plot style and small plotting helpers. Nothing is set on import: call :func:`style`.
+
+:func:`curves` draws named series (with seed bands) as plotly in a live session and matplotlib
+always, the static picture papermill and the HTML report keep.
+"""
 from __future__ import annotations
 
 import numpy as np
+
+from .env import interactive
 
 PALETTE = ["#1f5a96", "#d1495b", "#2e933c", "#edae49", "#6c4f9c", "#00798c", "#8d6a4f"]
 
@@ -50,3 +56,124 @@ def mark_points(ax, x, y, label: str = "spike", color="#d1495b", marker="v"):
     """Scatter markers (e.g. detected loss spikes) on top of a curve."""
     if len(x):
         ax.scatter(x, y, color=color, marker=marker, zorder=5, s=28, label=label)
+
+
+# -- curves: plotly to explore in a live session, matplotlib always -----------------------------
+def _series(data, x):
+    """``(x values, {label: 1-D or (runs x points) array})`` from a DataFrame or a dict."""
+    if hasattr(data, "columns"):                               # a pandas DataFrame
+        if x is None:
+            xs = np.asarray(data.index)
+            cols = list(data.columns)
+        elif isinstance(x, str):
+            if x not in data.columns:
+                raise KeyError(f"x={x!r} is not a column; columns are {list(data.columns)}")
+            xs, cols = np.asarray(data[x]), [c for c in data.columns if c != x]
+        else:
+            xs, cols = np.asarray(x), list(data.columns)
+        series = {str(c): np.asarray(data[c], float) for c in cols}
+    elif isinstance(data, dict):
+        series = {str(k): np.asarray(v, float) for k, v in data.items()}
+        if not series:
+            raise ValueError("curves() needs at least one series")
+        n = next(iter(series.values())).shape[-1]
+        xs = np.arange(n) if x is None else np.asarray(x)
+    else:
+        raise TypeError(f"curves() takes a pandas DataFrame or a dict of series, got "
+                        f"{type(data).__name__}")
+    for label, y in series.items():
+        if y.ndim not in (1, 2) or y.shape[-1] != len(xs):
+            raise ValueError(f"series {label!r} has shape {y.shape}; need ({len(xs)},) or "
+                             f"(runs, {len(xs)}) to match x")
+    return xs, series
+
+
+def _is_panels(data) -> bool:
+    return isinstance(data, dict) and bool(data) and all(
+        isinstance(v, dict) or hasattr(v, "columns") for v in data.values())
+
+
+def curves(data, x=None, *, title: str, xlabel: str, ylabel, logy: bool = False, ncols: int = 2,
+           run=None, name: str | None = None):
+    """Line plots of named series: an interactive plotly figure in a live Jupyter session, and
+    always a static matplotlib figure (returned; saved as ``figures/<name>.png`` when ``run`` and
+    ``name`` are given), so papermill outputs and the HTML report still show a picture.
+
+    ``data`` is one panel or several:
+
+    - a pandas DataFrame: one line per column, ``x`` a column name (default: the index);
+    - a dict ``{label: values}``: ``values`` 1-D (one line) or 2-D (runs x points: the mean with
+      a +-1 std band over the runs, as :func:`band`), ``x`` the shared x values (default 0..n-1);
+    - a dict ``{panel title: DataFrame or dict}``: one subplot per panel, ``ncols`` per row;
+      ``ylabel`` may then be a dict ``{panel title: label}``.
+
+    ``title`` names the figure, ``xlabel``/``ylabel`` the axes (give units). Whether anyone is
+    watching is :func:`workbench.env.interactive` (False under papermill, nbval and CI), so
+    batch runs never import plotly. Example::
+
+        fig = plots.curves({"standard": runs_a, "HR": runs_b}, x=steps, title="Return",
+                           xlabel="environment steps", ylabel="episode return", run=run,
+                           name="return")
+    """
+    panels = data if _is_panels(data) else {None: data}
+    parsed = {p: _series(d, x) for p, d in panels.items()}
+    ylabels = {p: (ylabel.get(p, "") if isinstance(ylabel, dict) else ylabel) for p in panels}
+    n = len(panels)
+    cols = min(ncols, n)
+    rows = -(-n // cols)
+    fig, axes = subplots(rows, cols, squeeze=False)
+    for ax, (p, (xs, series)) in zip(axes.flat, parsed.items()):
+        for i, (label, y) in enumerate(series.items()):
+            band(ax, xs, y, label=label, color=PALETTE[i % len(PALETTE)])
+        ax.set(title=p if p is not None else title, xlabel=xlabel, ylabel=ylabels[p])
+        if logy:
+            ax.set_yscale("log")
+        if len(series) > 1:
+            ax.legend()
+    for ax in list(axes.flat)[n:]:
+        ax.set_visible(False)
+    if n > 1:
+        fig.suptitle(title)
+    if run is not None and name:
+        run.savefig(fig, name)
+    if interactive():
+        import matplotlib.pyplot as plt
+        from IPython.display import display
+        display(_plotly_curves(parsed, title, xlabel, ylabels, logy, cols, rows))
+        plt.close(fig)                 # the live session shows the plotly figure, not both
+    return fig
+
+
+def _plotly_curves(parsed: dict, title: str, xlabel: str, ylabels: dict, logy: bool,
+                   cols: int, rows: int):
+    """The plotly twin of :func:`curves`' matplotlib figure (hover, zoom, toggle series)."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+    titles = [p for p in parsed if p is not None]
+    fig = make_subplots(rows=rows, cols=cols, subplot_titles=titles or None)
+    for k, (p, (xs, series)) in enumerate(parsed.items()):
+        r, c = k // cols + 1, k % cols + 1
+        for i, (label, y) in enumerate(series.items()):
+            color = PALETTE[i % len(PALETTE)]
+            runs = np.atleast_2d(y)
+            mean, std = np.nanmean(runs, 0), np.nanstd(runs, 0)
+            show_legend = k == 0
+            if runs.shape[0] > 1:            # the +-1 std band: upper edge, then lower filled to it
+                fig.add_trace(go.Scatter(x=xs, y=mean + std, line=dict(width=0), hoverinfo="skip",
+                                         showlegend=False, legendgroup=label), row=r, col=c)
+                fig.add_trace(go.Scatter(x=xs, y=mean - std, line=dict(width=0), fill="tonexty",
+                                         fillcolor=_rgba(color, 0.2), hoverinfo="skip",
+                                         showlegend=False, legendgroup=label), row=r, col=c)
+            n_runs = f" (n={runs.shape[0]})" if runs.shape[0] > 1 else ""
+            fig.add_trace(go.Scatter(x=xs, y=mean, name=label + n_runs, legendgroup=label,
+                                     line=dict(color=color), showlegend=show_legend), row=r, col=c)
+        fig.update_xaxes(title_text=xlabel, row=r, col=c)
+        fig.update_yaxes(title_text=ylabels[p], type="log" if logy else None, row=r, col=c)
+    fig.update_layout(title=title, template="plotly_white", height=320 * rows + 60,
+                      hovermode="x unified")
+    return fig
+
+
+def _rgba(hex_color: str, alpha: float) -> str:
+    h = hex_color.lstrip("#")
+    return f"rgba({int(h[0:2], 16)},{int(h[2:4], 16)},{int(h[4:6], 16)},{alpha})"

@@ -142,10 +142,14 @@ def rep_param_count(torso: Torso, head_dim: int) -> int:
 
 
 @torch.no_grad()
-def representation_stats(torso: Torso, states: torch.Tensor, tau: float = 0.1) -> dict:
+def representation_stats(torso: Torso, states: torch.Tensor, tau: float = 0.1,
+                         activity_tau: float = 0.1) -> dict:
     """Diagnostics of the representation h on a batch of states.
 
-    - ``dormant``: fraction of tau-dormant units (Sokar et al. 2023, eq. 1; score normalized by
+    - ``inactive``: fraction of units whose spread across states, over the layer's mean spread,
+      is <= ``activity_tau`` (dead *or* saturated units), ``diagnostics.inactive_fraction``;
+      what C1 is measured with, since a saturated tanh unit is not tau-dormant;
+    - ``dormant``: fraction of tau-dormant units (Sokar et al. 2023, eq. 1; mean |h| normalized by
       the layer mean, ``tau`` as given), ``workbench.diagnostics.dormant_fraction``;
     - ``saturated``: fraction of units acting as constants (|mean| >= 0.95, std <= 0.05 across
       states), ``diagnostics.saturated_fraction``;
@@ -154,6 +158,7 @@ def representation_stats(torso: Torso, states: torch.Tensor, tau: float = 0.1) -
     """
     h = torso(states)
     sv = dx.singular_values(h)
-    return {"dormant": dx.dormant_fraction(h, tau), "saturated": dx.saturated_fraction(h),
+    return {"inactive": dx.inactive_fraction(h, activity_tau), "dormant": dx.dormant_fraction(h, tau),
+            "saturated": dx.saturated_fraction(h),
             "srank": dx.srank(sv, is_sv=True), "erank": dx.erank(sv, is_sv=True),
             "sv": sv.float().cpu().numpy()}

@@ -11,7 +11,7 @@ Everything is re-exported here: ``from workbench import quant; quant.rtn(...)``.
 """
 from .gguf import (GGUF_WRITABLE, QK_K, export_model_gguf, gguf_dequantize, gguf_metadata,
                    gguf_quantize, import_model_gguf, pack_q3_k, pack_q4_0, pack_q8_0, pack_tq2_0,
-                   q3_k_params, read_gguf, unpack_q4_0, write_gguf)
+                   q3_k_params, q4_0_codes, q4_0_quantized, read_gguf, unpack_q4_0, write_gguf)
 from .gptq import HessianCollector, collect_hessians, gptq, output_error
 from .grid import (Quantized, absmean_ternary, bits_per_weight, block_linears, dequantize,
                    expand_groups, levels, quantize_codes, rtn, rtn_params, ste, ternary_ste)
@@ -19,7 +19,8 @@ from .linear import QuantLinear
 
 __all__ = ["GGUF_WRITABLE", "QK_K", "export_model_gguf", "gguf_dequantize", "gguf_metadata",
            "gguf_quantize", "import_model_gguf", "pack_q3_k", "pack_q4_0", "pack_q8_0",
-           "pack_tq2_0", "q3_k_params", "read_gguf", "unpack_q4_0", "write_gguf",
+           "pack_tq2_0", "q3_k_params", "q4_0_codes", "q4_0_quantized", "read_gguf",
+           "unpack_q4_0", "write_gguf",
            "HessianCollector", "collect_hessians", "gptq", "output_error",
            "Quantized", "absmean_ternary", "bits_per_weight", "block_linears", "dequantize",
            "expand_groups", "levels", "quantize_codes", "rtn", "rtn_params", "ste", "ternary_ste",

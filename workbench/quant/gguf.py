@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from .grid import Quantized
+
 # -- GGUF -------------------------------------------------------------------------------------
 
 GGUF_WRITABLE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "TQ1_0", "TQ2_0")
@@ -47,6 +49,24 @@ def unpack_q4_0(raw: np.ndarray, cols: int) -> tuple[np.ndarray, np.ndarray]:
     qs = b[..., 2:]
     q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int8) - 8
     return q.reshape(-1, cols), d
+
+
+def q4_0_quantized(w: np.ndarray) -> Quantized:
+    """gguf-py's own Q4_0 of a float (rows, in) weight, read back as a :class:`Quantized`
+    (codes ``level + 8``, fp16 scales as float32, zero 8, groups of 32): its ``dequantize()``
+    is exactly gguf-py's dequantized tensor."""
+    lv, d = unpack_q4_0(gguf_quantize(np.asarray(w, dtype=np.float32), "Q4_0"), w.shape[1])
+    return Quantized(torch.from_numpy(lv.astype(np.int16) + 8),
+                     torch.from_numpy(d.astype(np.float32)), torch.full(d.shape, 8.0), 4, 32)
+
+
+def q4_0_codes(q: Quantized) -> tuple[np.ndarray, np.ndarray]:
+    """``(levels int8, d float16)`` for :func:`pack_q4_0` from a 4-bit, group-32 symmetric
+    :class:`Quantized`; the scales are rounded to fp16, as the format stores them."""
+    if q.bits != 4 or q.group_size != 32 or q.g_idx is not None:
+        raise ValueError(f"Q4_0 holds 4-bit levels in consecutive groups of 32; got {q.bits} "
+                         f"bits, groups of {q.group_size}")
+    return q.level_index.cpu().numpy().astype(np.int8), q.scale.cpu().numpy().astype(np.float16)
 
 
 def pack_q8_0(levels: np.ndarray, d: np.ndarray) -> np.ndarray:

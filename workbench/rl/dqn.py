@@ -110,7 +110,8 @@ def linear_schedule(start_e: float, end_e: float, duration: int, t: int) -> floa
 
 def train_dqn(s: DQNSettings, torso_fn: Callable, seed: int = 0, device="cpu",
               on_eval: Callable | None = None, progress: Callable | None = None) -> dict:
-    """Train DQN; returns ``episodes`` ((step, return) pairs), the ``q_network`` and ``sps``."""
+    """Train DQN; returns ``episodes`` ((step, return) pairs), the ``q_network``, ``sps`` and
+    ``n_updates`` (gradient steps taken)."""
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -124,7 +125,7 @@ def train_dqn(s: DQNSettings, torso_fn: Callable, seed: int = 0, device="cpu",
     optimizer = torch.optim.Adam(q_network.parameters(), lr=s.learning_rate)
     rb = ReplayBuffer(s.buffer_size, obs_shape, envs.single_observation_space.dtype, device)
 
-    episodes, t0 = [], time.time()
+    episodes, n_updates, t0 = [], 0, time.time()
     obs, _ = envs.reset(seed=seed)
     n_iters = max(1, s.total_timesteps // s.num_envs)
     iters = range(n_iters)
@@ -161,10 +162,12 @@ def train_dqn(s: DQNSettings, torso_fn: Callable, seed: int = 0, device="cpu",
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
+                n_updates += 1
             if crossed(s.target_network_frequency):
                 for tp, qp in zip(target_network.parameters(), q_network.parameters()):
                     tp.data.copy_(s.tau * qp.data + (1.0 - s.tau) * tp.data)
         if on_eval is not None and len(rb) and (crossed(s.diag_every) or it == n_iters - 1):
             on_eval(step_after, q_network, rb.sample(s.diag_batch, gen)[0])
     envs.close()
-    return {"episodes": episodes, "q_network": q_network, "sps": n_iters * s.num_envs / (time.time() - t0)}
+    return {"episodes": episodes, "q_network": q_network, "n_updates": n_updates,
+            "sps": n_iters * s.num_envs / (time.time() - t0)}

@@ -106,54 +106,15 @@ def make_env(env_id: str) -> Callable[[], gym.Env]:
     return thunk
 
 
-class CartPoleVec(gym.vector.VectorEnv):
-    """``num_envs`` CartPole-v1 copies stepped together in numpy (Gymnasium's
-    ``CartPoleVectorEnv`` physics, 500-step cap) with same-step autoreset and episode statistics
-    in ``info["final_info"]``, like a ``SyncVectorEnv`` of wrapped envs but without the per-env
-    Python overhead that dominates smoke runs on a CPU."""
-
-    def __init__(self, num_envs: int):
-        from gymnasium.envs.classic_control.cartpole import CartPoleVectorEnv
-        self.inner = CartPoleVectorEnv(num_envs=num_envs, max_episode_steps=500)
-        self.num_envs = num_envs
-        self.single_observation_space = self.inner.single_observation_space
-        self.single_action_space = self.inner.single_action_space
-        self.observation_space, self.action_space = self.inner.observation_space, self.inner.action_space
-        self.metadata = {"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}
-
-    def reset(self, *, seed=None, options=None):
-        self.ret, self.len = np.zeros(self.num_envs), np.zeros(self.num_envs, dtype=np.int64)
-        return self.inner.reset(seed=seed, options=options)
-
-    def step(self, actions):
-        obs, reward, term, trunc, _ = self.inner.step(np.asarray(actions))
-        self.ret += reward
-        self.len += 1
-        done = term | trunc
-        infos = {}
-        if done.any():
-            inner = self.inner                  # reset the finished copies now (same step)
-            inner.state[:, done] = inner.np_random.uniform(inner.low, inner.high, (4, done.sum()))
-            inner.steps[done] = 0
-            inner.prev_done[:] = False
-            final_obs = np.empty(self.num_envs, dtype=object)
-            for i in np.flatnonzero(done):
-                final_obs[i] = obs[i]
-            infos = {"final_obs": final_obs, "_final_obs": done,
-                     "final_info": {"episode": {"r": self.ret.copy(), "l": self.len.copy()},
-                                    "_episode": done}, "_final_info": done}
-            obs = inner.state.T.astype(np.float32)
-            self.ret[done], self.len[done] = 0.0, 0
-        return obs, reward, term, trunc, infos
-
-
 def make_vec_env(env_id: str, num_envs: int, seed: int) -> gym.vector.VectorEnv:
-    """``num_envs`` copies of ``env_id`` with seeded action spaces (random exploration); the
-    agent seeds the environments themselves with ``envs.reset(seed=seed)``."""
-    if env_id == "CartPole-v1":
-        envs = CartPoleVec(num_envs)
-        envs.action_space.seed(seed)
-        return envs
+    """``num_envs`` copies of ``env_id`` in a ``SyncVectorEnv`` (same-step autoreset) with seeded
+    action spaces (random exploration); the agent seeds the environments themselves with
+    ``envs.reset(seed=seed)`` (copy i gets seed + i).
+
+    Only Gymnasium's public API: every copy is a registered or wrapped ``gym.Env``, and the
+    vector env is Gymnasium's own. (Gymnasium's numpy ``CartPoleVectorEnv`` is faster per step
+    but resets on the *next* step; the per-env overhead of ``SyncVectorEnv`` on CartPole is about
+    0.1 ms per vector step of 16 copies, a second or so of a smoke run.)"""
     envs = gym.vector.SyncVectorEnv([make_env(env_id) for _ in range(num_envs)],
                                     autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
     envs.action_space.seed(seed)

@@ -11,6 +11,13 @@ head_dim) -> module with .out_dim``.
 ``on_update(update, step, agent, obs)`` is called after every ``diag_every`` updates (and the
 last) with the rollout's observations, so a notebook can measure the representation on the
 states the agent visits.
+
+Every update logs what CleanRL's ``ppo.py`` writes to TensorBoard, in ``result["logs"]`` (one
+dict per update): ``learning_rate``, ``value_loss``, ``policy_loss``, ``entropy``,
+``old_approx_kl`` (-logratio mean), ``approx_kl`` (the k3 estimator (ratio - 1) - logratio,
+Schulman 2020, "Approximating KL divergence"), both of the last minibatch as in CleanRL,
+``clipfrac`` (fraction of samples with |ratio - 1| > clip_coef, over all minibatches of the
+update) and ``explained_variance`` (1 - Var[returns - values] / Var[returns] of the rollout).
 """
 from __future__ import annotations
 
@@ -22,6 +29,9 @@ import numpy as np
 import torch
 from torch import nn
 from torch.distributions import Categorical
+
+LOG_KEYS = ("learning_rate", "value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl",
+            "clipfrac", "explained_variance")
 
 from .envs import finished_episodes, make_vec_env
 
@@ -78,6 +88,28 @@ class PPOSettings:
         return max(1, self.total_timesteps // self.batch_size)
 
 
+def kl_estimates(logratio: torch.Tensor) -> tuple[float, float]:
+    """(old_approx_kl, approx_kl) of KL(pi_old || pi_new) from samples of pi_old, with
+    ``logratio = log pi_new(a|s) - log pi_old(a|s)``: the k1 estimator -logratio (unbiased, can be
+    negative) and the k3 estimator (r - 1) - log r with r = exp(logratio) (unbiased and >= 0;
+    Schulman 2020), the one CleanRL logs as ``approx_kl``."""
+    ratio = logratio.exp()
+    return float((-logratio).mean()), float(((ratio - 1) - logratio).mean())
+
+
+def clip_fraction(ratio: torch.Tensor, clip_coef: float) -> float:
+    """Fraction of samples whose probability ratio is outside [1 - clip_coef, 1 + clip_coef]."""
+    return float(((ratio - 1.0).abs() > clip_coef).float().mean())
+
+
+def explained_variance(y_pred, y_true) -> float:
+    """1 - Var[y_true - y_pred] / Var[y_true]: 1 for a perfect value function, 0 for one that
+    predicts the mean, negative for worse; NaN when the returns do not vary (as in CleanRL)."""
+    y_pred, y_true = np.asarray(y_pred, dtype=np.float64), np.asarray(y_true, dtype=np.float64)
+    var_y = np.var(y_true)
+    return float("nan") if var_y == 0 else float(1 - np.var(y_true - y_pred) / var_y)
+
+
 class ActorCritic(nn.Module):
     """A shared torso with a policy head (logits) and a value head."""
 
@@ -104,9 +136,10 @@ class ActorCritic(nn.Module):
 
 def train_ppo(s: PPOSettings, torso_fn: Callable, seed: int = 0, device="cpu",
               on_update: Callable | None = None, progress: Callable | None = None) -> dict:
-    """Train PPO; returns ``episodes`` ((step, return) pairs), the ``agent`` and ``sps``."""
+    """Train PPO; returns ``episodes`` ((step, return) pairs), the ``agent``, ``sps`` and
+    ``logs`` (one dict per update: ``update``, ``step`` and :data:`LOG_KEYS`)."""
     torch.manual_seed(seed)
-    np.random.seed(seed)
+    rng = np.random.default_rng(seed)        # minibatch shuffling
     device = torch.device(device)
     envs = make_vec_env(s.env_id, s.num_envs, seed)
     obs_shape = envs.single_observation_space.shape
@@ -120,7 +153,7 @@ def train_ppo(s: PPOSettings, torso_fn: Callable, seed: int = 0, device="cpu",
     dones = torch.zeros((s.num_steps, s.num_envs), device=device)
     values = torch.zeros((s.num_steps, s.num_envs), device=device)
 
-    episodes, global_step, t0 = [], 0, time.time()
+    episodes, logs, global_step, t0 = [], [], 0, time.time()
     next_obs, _ = envs.reset(seed=seed)
     next_obs = torch.as_tensor(next_obs, device=device)
     next_done = torch.zeros(s.num_envs, device=device)
@@ -159,16 +192,17 @@ def train_ppo(s: PPOSettings, torso_fn: Callable, seed: int = 0, device="cpu",
         b_advantages, b_returns, b_values = advantages.reshape(-1), returns.reshape(-1), values.reshape(-1)
 
         # -- optimize the policy and value network --------------------------------------------
-        b_inds = np.arange(s.batch_size)
+        b_inds, clipfracs = np.arange(s.batch_size), []
         for _ in range(s.update_epochs):
-            np.random.shuffle(b_inds)
+            rng.shuffle(b_inds)
             for start in range(0, s.batch_size, s.minibatch_size):
                 mb = b_inds[start:start + s.minibatch_size]
                 _, newlogprob, entropy, newvalue = agent.get_action_and_value(b_obs[mb], b_actions[mb])
                 logratio = newlogprob - b_logprobs[mb]
                 ratio = logratio.exp()
                 with torch.no_grad():
-                    approx_kl = ((ratio - 1) - logratio).mean()
+                    old_approx_kl, approx_kl = kl_estimates(logratio)
+                    clipfracs.append(clip_fraction(ratio, s.clip_coef))
                 mb_adv = b_advantages[mb]
                 if s.norm_adv:
                     mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
@@ -187,9 +221,17 @@ def train_ppo(s: PPOSettings, torso_fn: Callable, seed: int = 0, device="cpu",
                 optimizer.step()
             if s.target_kl is not None and approx_kl > s.target_kl:
                 break
+        logs.append({"update": update, "step": global_step,
+                     "learning_rate": optimizer.param_groups[0]["lr"], "value_loss": v_loss.item(),
+                     "policy_loss": pg_loss.item(), "entropy": entropy.mean().item(),
+                     "old_approx_kl": old_approx_kl, "approx_kl": approx_kl,
+                     "clipfrac": float(np.mean(clipfracs)),
+                     "explained_variance": explained_variance(b_values.cpu().numpy(),
+                                                              b_returns.cpu().numpy())})
 
         if on_update is not None and (update == 1 or update % s.diag_every == 0
                                       or update == s.num_updates):
             on_update(update, global_step, agent, b_obs)
     envs.close()
-    return {"episodes": episodes, "agent": agent, "sps": global_step / (time.time() - t0)}
+    return {"episodes": episodes, "agent": agent, "sps": global_step / (time.time() - t0),
+            "logs": logs}

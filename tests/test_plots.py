@@ -1,0 +1,78 @@
+"""plots.curves: a static matplotlib figure always, a plotly twin only when someone is watching."""
+import matplotlib
+
+matplotlib.use("Agg")
+
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import pytest  # noqa: E402
+from matplotlib.collections import PolyCollection  # noqa: E402
+
+from workbench import plots  # noqa: E402
+
+X = np.arange(0, 50, 10)
+
+
+def test_curves_draws_one_line_per_series_and_a_band_over_runs():
+    runs = np.array([[0.0, 1, 2, 3, 4], [2.0, 3, 4, 5, 6]])       # 2 runs x 5 points
+    fig = plots.curves({"a": runs, "b": np.ones(5)}, x=X, title="T", xlabel="step", ylabel="y")
+    ax = fig.axes[0]
+    assert ax.get_title() == "T" and ax.get_xlabel() == "step" and ax.get_ylabel() == "y"
+    lines = {ln.get_label(): ln for ln in ax.get_lines()}
+    assert set(lines) == {"a (n=2)", "b"}
+    np.testing.assert_allclose(lines["a (n=2)"].get_ydata(), runs.mean(0))   # the mean of runs
+    np.testing.assert_allclose(lines["a (n=2)"].get_xdata(), X)
+    bands = [c for c in ax.collections if isinstance(c, PolyCollection)]
+    assert len(bands) == 1                                        # only the series with runs
+    assert ax.get_legend() is not None
+
+
+def test_curves_takes_a_dataframe_with_an_x_column_and_panels():
+    df = pd.DataFrame({"step": X, "loss": np.linspace(1, 0.1, 5), "norm": np.linspace(1, 3, 5)})
+    fig = plots.curves(df, x="step", title="T", xlabel="step", ylabel="value", logy=True)
+    assert [ln.get_label() for ln in fig.axes[0].get_lines()] == ["loss", "norm"]
+    assert fig.axes[0].get_yscale() == "log"
+    panels = {"left": {"a": np.ones(5)}, "right": df.set_index("step")}
+    fig = plots.curves(panels, x=X, title="both", xlabel="step", ylabel={"left": "L", "right": "R"})
+    visible = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in visible] == ["left", "right"]
+    assert [ax.get_ylabel() for ax in visible] == ["L", "R"]
+    assert fig._suptitle.get_text() == "both"
+
+
+def test_curves_rejects_mismatched_or_unknown_input():
+    with pytest.raises(ValueError, match="shape"):
+        plots.curves({"a": np.ones(4)}, x=X, title="T", xlabel="x", ylabel="y")
+    with pytest.raises(KeyError, match="columns"):
+        plots.curves(pd.DataFrame({"a": [1.0]}), x="step", title="T", xlabel="x", ylabel="y")
+    with pytest.raises(TypeError, match="DataFrame or a dict"):
+        plots.curves([1, 2, 3], title="T", xlabel="x", ylabel="y")
+
+
+def test_curves_saves_the_static_figure_into_the_run(tmp_path):
+    class FakeRun:
+        saved = []
+
+        def savefig(self, fig, name):
+            self.saved.append((fig, name))
+    run = FakeRun()
+    fig = plots.curves({"a": np.ones(5)}, x=X, title="T", xlabel="x", ylabel="y", run=run, name="c")
+    assert run.saved == [(fig, "c")]
+
+
+def test_curves_shows_plotly_only_when_interactive(monkeypatch):
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda obj: shown.append(obj))
+    data = {"a": np.vstack([np.zeros(5), np.ones(5)]), "b": np.arange(5.0)}
+    monkeypatch.setattr(plots, "interactive", lambda: False)
+    fig = plots.curves(data, x=X, title="T", xlabel="x", ylabel="y")
+    assert shown == [] and fig.axes                               # batch runs: matplotlib only
+    monkeypatch.setattr(plots, "interactive", lambda: True)
+    fig = plots.curves(data, x=X, title="T", xlabel="x", ylabel="y")
+    assert len(shown) == 1 and fig.axes                           # the static figure is still returned
+    pfig = shown[0]
+    named = [t for t in pfig.data if t.showlegend is not False]
+    assert [t.name for t in named] == ["a (n=2)", "b"]
+    np.testing.assert_allclose(named[0].y, [0.5] * 5)
+    assert sum(t.fill == "tonexty" for t in pfig.data) == 1       # one band, for the runs
+    assert pfig.layout.title.text == "T"
