@@ -270,3 +270,28 @@ def test_q4_0_round_trip_through_quantized_is_exact():
     assert np.array_equal(Q.pack_q4_0(lv, d), Q.gguf_quantize(w, "Q4_0"))   # the same bytes
     with pytest.raises(ValueError, match="groups of 32"):
         Q.q4_0_codes(Q.rtn(torch.from_numpy(w), 4, 64))
+def test_gptq_per_row_quantizer_is_fitted_before_dead_inputs_are_zeroed():
+    """Without groups the reference fits each row's quantizer on the whole weight first, so a
+    dead input's large weight still sets the row's scale (then that input is coded as 0)."""
+    w = torch.tensor([[0.1, -0.2, 4.0, 0.3], [0.5, 0.1, -0.2, 0.05]], dtype=torch.float64)
+    H = torch.diag(torch.tensor([1.0, 2.0, 0.0, 1.5], dtype=torch.float64))   # input 2 is dead
+    q = Q.gptq(w, H, 3, group_size=-1, blocksize=2)
+    s_ref, z_ref = Q.rtn_params(w, 3, -1)
+    assert torch.allclose(q.scale.double(), s_ref.double()) and torch.equal(q.zero, z_ref)
+    assert torch.equal(q.level_index[:, 2], torch.zeros(2, dtype=torch.long))
+    # groups are fitted after the zeroing (a diagonal H moves no error: RTN of the zeroed weight)
+    w0 = w.clone()
+    w0[:, 2] = 0
+    qg = Q.gptq(w, H, 3, group_size=2, blocksize=2)
+    assert torch.allclose(qg.scale.double(), Q.rtn_params(w0, 3, 2)[0].double())
+
+
+def test_quant_package_exports_its_names_explicitly():
+    import types
+    assert len(Q.__all__) == len(set(Q.__all__))
+    for name in Q.__all__:
+        obj = getattr(Q, name)
+        assert not isinstance(obj, types.ModuleType), name      # no torch, numpy, nn, ...
+    for name in ("QuantLinear", "gptq", "rtn", "block_linears", "ternary_ste", "export_model_gguf",
+                 "HessianCollector", "pack_q4_0", "expand_groups", "levels"):
+        assert name in Q.__all__

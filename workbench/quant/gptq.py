@@ -25,11 +25,16 @@ def gptq(w: torch.Tensor, H: torch.Tensor, bits: int, group_size: int = 128, sym
 
     Groups, as the reference fits them:
 
-    - default: the quantizer (scale, zero) of a group is fitted when its first column comes up,
+    - no groups (``group_size <= 0``): one quantizer per row, fitted on the whole weight
+      before dead inputs are zeroed (the reference's ``find_params(W)`` comes first);
+    - groups, by default: the quantizer (scale, zero) of a group is fitted when its first column comes up,
       on the weights *as they stand at the start of the current block*, that is after the lazy
       updates of earlier blocks but before the in-block updates (the reference calls
       ``find_params(W[:, i:i + groupsize])`` on the outer ``W``, not on the block copy ``W1``
-      that the in-block updates change);
+      that the in-block updates change). A group that starts at column ``c`` of a block
+      starting at ``i1`` is thus fitted on ``W[:, c:c + g]`` including the errors of blocks
+      before ``i1`` but none of those of columns ``i1 .. c - 1`` (with ``g >= blocksize`` the
+      group starts at a block start and the two readings coincide);
     - ``actorder``: columns are processed by decreasing ``H_ii``; groups are runs of
       ``group_size`` consecutive columns *in that order*, so a group's columns are scattered in
       the original layout: the result carries ``g_idx`` (each column's group);
@@ -46,6 +51,10 @@ def gptq(w: torch.Tensor, H: torch.Tensor, bits: int, group_size: int = 128, sym
     g = cols if group_size <= 0 else group_size
     if cols % g:
         raise ValueError(f"in-features {cols} is not a multiple of group_size {g}")
+    static_groups = static_groups and group_size > 0    # one group per row: nothing to fix
+    if group_size <= 0:                             # one quantizer per row, fitted (as the
+        s_row, z_row = rtn_params(W, bits, -1, sym)   # reference does) before dead inputs
+        s_row, z_row = s_row.to(dtype), z_row.to(dtype)   # are zeroed
     dead = torch.diag(H) == 0                       # inputs that never fire
     H[dead, dead] = 1
     W[:, dead] = 0
@@ -71,7 +80,11 @@ def gptq(w: torch.Tensor, H: torch.Tensor, bits: int, group_size: int = 128, sym
         Hinv1 = Hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
-            if static_groups:
+            if group_size <= 0:
+                if col == 0:
+                    scale, zero = s_row[:, 0], z_row[:, 0]
+                    scales[:, 0], zeros[:, 0] = scale, zero
+            elif static_groups:
                 grp = int(perm[col]) // g
                 scale, zero = s_static[:, grp], z_static[:, grp]
             elif col % g == 0:                      # fit on W (block start), not on W1
