@@ -195,9 +195,15 @@ def log_signature(path: torch.Tensor, backend: str = "torch") -> torch.Tensor:
 def clock_features(tau: torch.Tensor) -> torch.Tensor:
     """phi(tau): the log-signature of (s, tau(s)) without its constant time increment, squashed
     by asinh so that heavy-tailed clock values (tau(1) ~ 1e6 for a stable clock) stay in a range a
-    network can read (asinh is monotone, so no information is lost): (n, 2) = (tau(1), area)."""
-    ls = log_signature(time_augmented(tau))
-    return torch.asinh(ls[:, 1:])
+    network can read (asinh is monotone, so no information is lost): (n, 2) = (tau(1), area).
+
+    The same formula as :func:`log_signature` written for the time-augmented scalar clock, so that
+    no (n, points, 2) path is built: with s_k = k / K, area = 1/2 sum_k (s_{k-1} dtau_k - tau_{k-1} / K).
+    """
+    steps = tau.shape[1] - 1
+    s = torch.arange(steps, dtype=tau.dtype) / steps
+    area = 0.5 * (tau.diff(dim=1) @ s - tau[:, :-1].sum(1) / steps)
+    return torch.asinh(torch.stack([tau[:, -1] - tau[:, 0], area], 1))
 
 
 # -- the velocity field, training and sampling ------------------------------------------------
