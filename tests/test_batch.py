@@ -64,17 +64,28 @@ def test_batch_keeps_going_past_failures_and_reports(fixture_notebooks, tmp_path
     index = report.build(out)
     res = pd.read_csv(out / "results.csv")
     assert len(res) == 7 and set(res["status"]) == {"ok", "failed", "timeout", "died"}
-    agg = pd.read_csv(out / "aggregate.csv").set_index("params")
-    assert agg.loc["x=1", "n"] == 2 and agg.loc["x=1", "seeds"] == "0,1"
-    assert agg.loc["x=1", "x_plus_seed mean"] == pytest.approx(1.5)
-    assert agg.loc["x=-1", "claim:C1"] == "0/2" and agg.loc["x=1", "claim:C1"] == "2/2"
+    agg = pd.read_csv(out / "aggregate.csv")
+    assert list(agg.columns) == ["notebook", "params", "metric", "mean", "std", "n", "seeds"]
+    row = agg.set_index(["params", "metric"]).loc[("scale=smoke, x=1", "x_plus_seed")]
+    assert (row["n"], row["seeds"], row["mean"]) == (2, "0,1", pytest.approx(1.5))
+    assert row["std"] == pytest.approx(2 ** -0.5)
+    held = agg[agg["metric"] == "claim:C1"].set_index("params")["mean"]
+    assert held["scale=smoke, x=-1"] == 0.0 and held["scale=smoke, x=1"] == 1.0
+    assert set(agg["notebook"]) == {"01-ok"}          # failed jobs are not aggregated
     page = index.read_text()
     assert "02-raises" in page and "boom from the notebook" in page and "executed notebook" in page
+    # the raising notebook is reported with its error cell, and was run once
+    assert failed.error_cell.startswith("cell 3: raise RuntimeError") and failed.attempts == 1
+    assert "cell 3: raise RuntimeError" in page
 
-    # --resume skips exactly the jobs that finished with the same parameters
+    # --resume skips exactly the jobs that finished (same notebook and parameters)
     again = batch.run_batch(jobs, n_jobs=2, timeout=300, resume=True, show_progress=False)
     assert [r.status for r in again if r.job.slug == "01-ok"] == ["cached"] * 4
     assert next(r for r in again if r.job.slug == "02-raises").status == "failed"
+    # no staging directory is left behind, and metrics.json is where the job ended up
+    assert not [p for p in out.rglob(".*partial*")]
+    m = json.loads((Path(good[0].job.out) / "metrics.json").read_text())
+    assert m["params"]["out_dir"] == good[0].job.out
 
 
 def test_kernel_that_fails_to_start_is_retried_once(fixture_notebooks, tmp_path, monkeypatch):
@@ -82,13 +93,13 @@ def test_kernel_that_fails_to_start_is_retried_once(fixture_notebooks, tmp_path,
     # the second writes the notebook's metrics. The runner must retry exactly once.
     script = (
         "import json, pathlib, sys\n"
-        "out = pathlib.Path(sys.argv[1]); n = out / 'attempts'\n"
+        "out = pathlib.Path(sys.argv[1]); n = out.parent / 'attempts'\n"
         "k = int(n.read_text()) + 1 if n.exists() else 1; n.write_text(str(k))\n"
         "if k == 1:\n"
         "    print('RuntimeError: Kernel didn\\'t respond in 60 seconds'); sys.exit(1)\n"
         "(out / 'metrics.json').write_text(json.dumps({'claims': []}))\n")
     monkeypatch.setattr(batch, "_papermill_cmd",
-                        lambda job, timeout: [sys.executable, "-c", script, job.out])
+                        lambda nb, workdir, slug, timeout: [sys.executable, "-c", script, workdir])
     (job,) = batch.plan(discover(fixture_notebooks)[:1], tmp_path)
     r = batch.run_job(job, timeout=30)
     assert (r.status, r.attempts) == ("ok", 2)
@@ -96,7 +107,7 @@ def test_kernel_that_fails_to_start_is_retried_once(fixture_notebooks, tmp_path,
 
 def test_a_notebook_error_is_not_retried(fixture_notebooks, tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(batch, "_papermill_cmd", lambda job, timeout: calls.append(1) or [
+    monkeypatch.setattr(batch, "_papermill_cmd", lambda *a: calls.append(1) or [
         sys.executable, "-c", "print('ValueError: bad input'); raise SystemExit(1)"])
     (job,) = batch.plan(discover(fixture_notebooks)[:1], tmp_path)
     r = batch.run_job(job, timeout=30)
