@@ -70,7 +70,7 @@ def cmd_run(args) -> int:
     if executor == "dask":      # connect before anything runs: a bad address is bad input
         from . import cluster
         try:
-            client = cluster.connect(args.scheduler, n_workers=min(n_jobs, len(jobs)),
+            client = cluster.connect(args.scheduler, n_workers=min(n_jobs, len(jobs)), timeout=5,
                                      retries=args.retries)
         except cluster.SchedulerError as e:
             print(f"error: {e}", file=sys.stderr)
@@ -84,7 +84,9 @@ def cmd_run(args) -> int:
     print(f"{len(jobs)} job(s) over {len(infos)} notebook(s), {how}, "
           f"timeout {args.timeout:g} s each -> {out}")
     try:
-        results = batch.run_batch(jobs, n_jobs=n_jobs, timeout=args.timeout, resume=args.resume,
+        # on an existing cluster, without --jobs: as many jobs at a time as it has threads
+        window = args.jobs if args.scheduler else n_jobs
+        results = batch.run_batch(jobs, n_jobs=window, timeout=args.timeout, resume=args.resume,
                                   strict=args.strict, executor=executor, client=client,
                                   retries=args.retries)
     finally:
@@ -151,7 +153,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("-p", "--param", nargs=2, action="append", metavar=("NAME", "VALUE"),
                    help="set a notebook parameter; a comma list (-p bits 4,3,2) makes a grid")
     r.add_argument("--seeds", default="0", help="comma list of seeds, e.g. 0,1,2")
-    r.add_argument("--jobs", type=int, default=None, help="parallel jobs (default: cores)")
+    r.add_argument("--jobs", type=int, default=None,
+                   help="parallel jobs (default: cores; with --scheduler, the cluster's threads)")
     r.add_argument("--timeout", type=float, default=900, help="seconds per job")
     r.add_argument("--out", default=None, help="run directory (default runs/<timestamp>)")
     r.add_argument("--resume", action="store_true",

@@ -57,12 +57,17 @@ def connect(scheduler: str | None = None, n_workers: int | None = None, retries:
                 "`dask worker ADDRESS`, or a dask-jobqueue / dask-kubernetes cluster), or leave "
                 "out --scheduler to run on a local cluster.") from None
     import importlib.util
+
+    import dask
     # Each task spends its time in a papermill child process, so one thread per worker process
     # and no memory limit (the worker's own memory is small; the kernel's is not the worker's).
-    cluster = distributed.LocalCluster(
-        n_workers=max(1, n_workers or os.cpu_count() or 1), threads_per_worker=1,
-        processes=True, memory_limit=0, scheduler_kwargs={"allowed_failures": retries},
-        dashboard_address=":0" if importlib.util.find_spec("bokeh") else None)
+    # worker-saturation 1.0: a worker holds only the job it runs, so a dying worker takes no
+    # queued job with it and a free worker gets the next job.
+    with dask.config.set({"distributed.scheduler.worker-saturation": 1.0}):
+        cluster = distributed.LocalCluster(
+            n_workers=max(1, n_workers or os.cpu_count() or 1), threads_per_worker=1,
+            processes=True, memory_limit=0, scheduler_kwargs={"allowed_failures": retries},
+            dashboard_address=":0" if importlib.util.find_spec("bokeh") else None)
     return distributed.Client(cluster)
 
 
@@ -133,30 +138,49 @@ def run_dask(jobs: list[Job], client=None, n_workers: int | None = None, timeout
              resume: bool = False, strict: bool = False, retries: int = 1,
              show_progress: bool = True) -> list[JobResult]:
     """Run ``jobs`` as Dask tasks (see the module docstring); same contract as
-    :func:`workbench.batch.run_batch`."""
+    :func:`workbench.batch.run_batch`. Without ``client``, on a new local cluster of
+    ``n_workers`` workers. ``n_workers`` also bounds the jobs in flight (default: the cluster's
+    threads; on an adaptive cluster give it, so the backlog is there for it to scale to)."""
     distributed = _distributed()
     from .progress import progress
     own = client is None
     if own:
-        client = connect(None, n_workers=min(n_workers or os.cpu_count() or 1, len(jobs) or 1),
-                         retries=retries)
+        n_workers = min(n_workers or os.cpu_count() or 1, len(jobs) or 1)
+        client = connect(None, n_workers=n_workers, retries=retries)
+    # At most `window` jobs on the cluster at a time, so that each worker holds only the job it
+    # runs: a job the scheduler pushed into a busy worker's queue would die with that worker
+    # (and be reported as retried) without having started, and would wait there while another
+    # worker is idle. The scheduler's own queuing does not cover small batches of distinct tasks.
+    window = max(1, n_workers or sum(client.nthreads().values()) or 1)
     results: dict[int, JobResult] = {}
     pending = {}
     blobs: dict[str, bytes] = {}
     bar = progress(total=len(jobs), desc="jobs", disable=not show_progress)
+
+    def submit(i: int):
+        job = jobs[i]
+        if job.path not in blobs:
+            blobs[job.path] = Path(job.path).read_bytes()
+        spec = {"slug": job.slug, "scale": job.scale, "seed": job.seed, "params": job.params}
+        fut = client.submit(remote_job, spec, blobs[job.path], timeout, strict, pure=False,
+                            key=f"workbench-{job.slug}-seed{job.seed}-{uuid.uuid4().hex[:8]}")
+        pending[fut] = i
+        return fut
+
     try:
+        todo = []
         for i, job in enumerate(jobs):
             if resume and (cached := batch.cached_result(job)) is not None:
                 results[i] = cached
                 bar.update(1)
-                continue
-            if job.path not in blobs:
-                blobs[job.path] = Path(job.path).read_bytes()
-            spec = {"slug": job.slug, "scale": job.scale, "seed": job.seed, "params": job.params}
-            fut = client.submit(remote_job, spec, blobs[job.path], timeout, strict, pure=False,
-                                key=f"workbench-{job.slug}-seed{job.seed}-{uuid.uuid4().hex[:8]}")
-            pending[fut] = i
-        for fut in distributed.as_completed(list(pending)):
+            else:
+                todo.append(i)
+        todo.reverse()
+        running = distributed.as_completed([submit(todo.pop()) for _ in range(min(window,
+                                                                                  len(todo)))])
+        for fut in running:
+            if todo:
+                running.add(submit(todo.pop()))
             i, job = pending[fut], jobs[pending[fut]]
             try:
                 deaths = client.run_on_scheduler(_task_history, fut.key)
