@@ -72,12 +72,14 @@ def main() -> int:
             print(f"   pair {rep}: papermill {t['papermill']:.1f} s, workbench run "
                   f"{t['workbench']:.1f} s (job {job:.1f} s, runner {t['workbench'] - job:.1f} s)"
                   f", ratio {t['workbench'] / t['papermill']:.3f}", flush=True)
-        pm_med = statistics.median(r[0] for r in rows)
-        wb_med = statistics.median(r[1] for r in rows)
+        pm_med = statistics.median(r[0] for r in rows) if rows else float("nan")
+        wb_med = statistics.median(r[1] for r in rows) if rows else float("nan")
         print(f"   median: papermill {pm_med:.1f} s, workbench run {wb_med:.1f} s, ratio of "
               f"medians {wb_med / pm_med:.3f}, median ratio "
-              f"{statistics.median(r[1] / r[0] for r in rows):.3f}, runner's own share "
-              f"{statistics.median(r[1] - r[2] for r in rows):.2f} s (target ratio <= 1.05)")
+              f"{statistics.median([r[1] / r[0] for r in rows] or [float('nan')]):.3f}, "
+              f"runner's own share "
+              f"{statistics.median([r[1] - r[2] for r in rows] or [float('nan')]):.2f} s "
+              "(target ratio <= 1.05)")
 
         print(f"2. {args.notebook} seeds {args.seeds}, {args.jobs} jobs: --executor dask vs "
               f"process ({args.dask_reps} pairs)")

@@ -43,7 +43,7 @@ def test_outputs_come_back_from_a_worker_that_writes_elsewhere(fixture_notebooks
     infos = _infos(fixture_notebooks)
     out = tmp_path / "out"
     jobs = batch.plan([infos["05-figure"], infos["01-ok"]], out)
-    results = batch.run_batch(jobs, executor="dask", client=client, timeout=300,
+    results = cluster.run_dask(jobs, client=client, timeout=300,
                               show_progress=False)
     assert [r.status for r in results] == ["ok", "ok"], [r.error for r in results]
     fig = Path(results[0].job.out)
@@ -70,7 +70,7 @@ def test_failures_kinds_retry_after_worker_death_and_exit_status(fixture_noteboo
     marker = tmp_path / "first-attempt"
     jobs = batch.plan([infos["06-kills-worker"]], out, raw_params={"marker": [str(marker)]})
     jobs += batch.plan([infos[s] for s in ("01-ok", "02-raises", "04-dies")], out)
-    results = batch.run_batch(jobs, executor="dask", client=client, timeout=300,
+    results = cluster.run_dask(jobs, client=client, timeout=300,
                               show_progress=False)
     by = {r.job.slug: r for r in results}
     assert {s: r.status for s, r in by.items()} == {
@@ -91,8 +91,8 @@ def test_failures_kinds_retry_after_worker_death_and_exit_status(fixture_noteboo
     assert by["04-dies"].attempts == 1
     assert "retried on another worker" in batch.summary_table(results)
     # a job past its timeout, on the same cluster
-    (slow,) = batch.run_batch(batch.plan([infos["03-slow"]], out), executor="dask",
-                              client=client, timeout=8, show_progress=False)
+    (slow,) = cluster.run_dask(batch.plan([infos["03-slow"]], out), client=client, timeout=8,
+                               show_progress=False)
     assert slow.status == "timeout"
     # the CLI on an existing scheduler: exit status 1, the report has every kind
     rc = cli.main(["run", str(infos["01-ok"].path), str(infos["02-raises"].path),
@@ -113,7 +113,7 @@ def test_resume_skips_complete_jobs_and_reruns_changed_ones(fixture_notebooks, t
     info = _infos(fixture_notebooks)["01-ok"]
     out = tmp_path / "out"
     jobs = batch.plan([info], out, seeds=[0, 1])
-    run = lambda js: batch.run_batch(js, executor="dask", client=client, timeout=300,
+    run = lambda js: cluster.run_dask(js, client=client, timeout=300,
                                      resume=True, show_progress=False)
     assert [r.status for r in run(jobs)] == ["ok", "ok"]
     stamp = [(Path(j.out) / "job.json").stat().st_mtime_ns for j in jobs]

@@ -13,8 +13,8 @@ half-written ``metrics.json`` where a resume would look; a job that was cut shor
 ``job.json`` and runs again.
 
 Jobs run as local processes (``run_batch``, the default) or as tasks on a Dask cluster
-(:mod:`workbench.cluster`); both call :func:`execute` and :func:`commit`, so the results and the
-report are the same. No torch here: the CLI imports this module.
+(:func:`workbench.cluster.run_dask`, which imports this module, never the reverse); both call
+:func:`execute` and :func:`commit`, so the results and the report are the same. No torch here: the CLI imports this module.
 """
 from __future__ import annotations
 
@@ -279,18 +279,20 @@ def kill_running() -> None:
 
 
 def execute(notebook: Path, workdir: Path, slug: str, params: dict, timeout: float = 900,
-            strict: bool = False, threads: int | None = None, retries: int = 1) -> dict:
+            strict: bool = False, threads: int | None = None, retries: int = 1,
+            env_drop: tuple = ()) -> dict:
     """Run one notebook with papermill, writing everything into ``workdir`` (its ``out_dir``).
 
     Returns a dict with status, error, error_cell, attempts, duration_s and claims; never raises
     for a notebook's failure. A kernel that never comes up is retried ``retries`` times; a notebook
     that raises is not. A ``metrics.json`` is kept only when the job is ok: a kernel killed while
-    writing it leaves half a file, and nothing downstream may read that."""
+    writing it leaves half a file, and nothing downstream may read that. ``env_drop``: variables
+    of this process the kernel must not inherit (a Dask worker's own tuning)."""
     import yaml
     workdir = Path(workdir)
     (workdir / "parameters.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    env = dict(os.environ, WORKBENCH_BATCH="1", PYTHONUNBUFFERED="1",
-               WORKBENCH_RUNNER_PID=str(os.getpid()))
+    env = {k: v for k, v in os.environ.items() if k not in env_drop}
+    env.update(WORKBENCH_BATCH="1", PYTHONUNBUFFERED="1", WORKBENCH_RUNNER_PID=str(os.getpid()))
     if threads:     # parallel jobs share the cores: oversubscribed BLAS threads stall small nets
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             env[var] = str(threads)
@@ -431,22 +433,12 @@ def run_job(job: Job, timeout: float = 900, resume: bool = False, strict: bool =
 
 
 def run_batch(jobs: list[Job], n_jobs: int | None = None, timeout: float = 900,
-              resume: bool = False, strict: bool = False, show_progress: bool = True,
-              executor: str = "process", client=None, retries: int = 1) -> list[JobResult]:
-    """Run jobs in parallel; results keep the order of ``jobs`` and every job gets one, whatever
-    the others did.
-
-    ``executor="process"``: ``n_jobs`` papermill processes at a time (default: the core count).
-    ``executor="dask"``: one task per job on ``client`` (a ``distributed.Client``; without one, a
-    ``LocalCluster`` of ``n_jobs`` workers), a job retried ``retries`` times on another worker when
-    its worker dies, see :mod:`workbench.cluster`. Ctrl-C stops the running jobs and marks them
-    ``interrupted``; finished ones are kept."""
-    if executor == "dask":
-        from .cluster import run_dask
-        return run_dask(jobs, client=client, n_workers=n_jobs, timeout=timeout, resume=resume,
-                        strict=strict, retries=retries, show_progress=show_progress)
-    if executor != "process":
-        raise ValueError(f"unknown executor {executor!r}; use 'process' or 'dask'")
+              resume: bool = False, strict: bool = False, show_progress: bool = True
+              ) -> list[JobResult]:
+    """Run jobs as ``n_jobs`` papermill processes at a time (default: the core count); results
+    keep the order of ``jobs`` and every job gets one, whatever the others did. Ctrl-C stops the
+    running jobs and marks them ``interrupted``; finished ones are kept. (The Dask executor,
+    :func:`workbench.cluster.run_dask`, has the same contract.)"""
     from .progress import progress
     n_jobs = max(1, n_jobs or os.cpu_count() or 1)
     threads = max(1, (os.cpu_count() or 1) // min(n_jobs, max(1, len(jobs))))

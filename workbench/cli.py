@@ -86,9 +86,13 @@ def cmd_run(args) -> int:
     try:
         # on an existing cluster, without --jobs: as many jobs at a time as it has threads
         window = args.jobs if args.scheduler else n_jobs
-        results = batch.run_batch(jobs, n_jobs=window, timeout=args.timeout, resume=args.resume,
-                                  strict=args.strict, executor=executor, client=client,
-                                  retries=args.retries)
+        if client is not None:
+            results = cluster.run_dask(jobs, client=client, n_workers=window,
+                                       timeout=args.timeout, resume=args.resume,
+                                       strict=args.strict, retries=args.retries)
+        else:
+            results = batch.run_batch(jobs, n_jobs=n_jobs, timeout=args.timeout,
+                                      resume=args.resume, strict=args.strict)
     finally:
         if client is not None:
             cluster.close(client)

@@ -78,13 +78,27 @@ def close(client) -> None:
         cluster.close()
 
 
+def _threads_per_host(client) -> dict[str, int]:
+    """host -> worker threads on it: the jobs that may run there side by side."""
+    from distributed.comm.addressing import get_address_host
+    out: dict[str, int] = {}
+    for addr, w in client.scheduler_info(n_workers=-1)["workers"].items():
+        out[get_address_host(addr)] = out.get(get_address_host(addr), 0) + w["nthreads"]
+    return out
+
+
 def remote_job(spec: dict, notebook: bytes, timeout: float, strict: bool) -> dict:
     """The Dask task: run one job in a temporary directory of this worker and return its result
-    with ``files`` (relative path -> bytes). It is never given a path of the runner's machine."""
+    with ``files`` (relative path -> bytes). It is never given a path of the runner's machine.
+
+    Its kernel gets the host's cores divided by the jobs that can run on the host at once (as
+    the process executor does): two jobs of two BLAS threads each on two cores stall both."""
     try:
         from distributed import get_worker
+        from distributed.comm.addressing import get_address_host
         worker = get_worker()
-        base, slots = worker.local_directory, worker.state.nthreads
+        base = worker.local_directory
+        slots = spec.get("slots", {}).get(get_address_host(worker.address), worker.state.nthreads)
     except (ImportError, ValueError):
         base, slots = None, 1
     work = Path(tempfile.mkdtemp(prefix="workbench-job-", dir=base))
@@ -97,7 +111,14 @@ def remote_job(spec: dict, notebook: bytes, timeout: float, strict: bool) -> dic
         params = {**spec["params"], "scale": spec["scale"], "seed": spec["seed"],
                   "out_dir": str(out)}
         threads = max(1, (os.cpu_count() or 1) // max(1, slots))
-        r = batch.execute(nb, out, spec["slug"], params, timeout, strict, threads)
+        # The nanny sets its workers' environment (MALLOC_TRIM_THRESHOLD_=65536 to return memory
+        # to the OS, PYTHONHASHSEED, one BLAS thread): tuning for the worker, not for the
+        # notebook, whose kernel then sees the same environment as under the process executor.
+        import dask
+        drop = tuple(dask.config.get("distributed.nanny.pre-spawn-environ", {}) or ()) + \
+            ("PYTHONHASHSEED",)
+        r = batch.execute(nb, out, spec["slug"], params, timeout, strict, threads,
+                          env_drop=drop)
         r["files"] = {p.relative_to(out).as_posix(): p.read_bytes()
                       for p in sorted(out.rglob("*")) if p.is_file()}
         r["worker_dir"] = str(out)
@@ -152,6 +173,10 @@ def run_dask(jobs: list[Job], client=None, n_workers: int | None = None, timeout
     # (and be reported as retried) without having started, and would wait there while another
     # worker is idle. The scheduler's own queuing does not cover small batches of distinct tasks.
     window = max(1, n_workers or sum(client.nthreads().values()) or 1)
+    try:
+        slots = _threads_per_host(client)
+    except Exception:           # no scheduler info: each worker divides its host by its threads
+        slots = {}
     results: dict[int, JobResult] = {}
     pending = {}
     blobs: dict[str, bytes] = {}
@@ -161,7 +186,8 @@ def run_dask(jobs: list[Job], client=None, n_workers: int | None = None, timeout
         job = jobs[i]
         if job.path not in blobs:
             blobs[job.path] = Path(job.path).read_bytes()
-        spec = {"slug": job.slug, "scale": job.scale, "seed": job.seed, "params": job.params}
+        spec = {"slug": job.slug, "scale": job.scale, "seed": job.seed, "params": job.params,
+                "slots": slots}
         fut = client.submit(remote_job, spec, blobs[job.path], timeout, strict, pure=False,
                             key=f"workbench-{job.slug}-seed{job.seed}-{uuid.uuid4().hex[:8]}")
         pending[fut] = i
