@@ -38,6 +38,7 @@ def test_grid_and_seeds_make_one_job_each(fixture_notebooks, tmp_path):
     assert len({j.out for j in jobs}) == 4
 
 
+@pytest.mark.slow   # papermill end to end
 def test_batch_keeps_going_past_failures_and_reports(fixture_notebooks, tmp_path):
     infos = {i.slug: i for i in discover(fixture_notebooks)}
     out = tmp_path / "out"
@@ -92,6 +93,7 @@ def test_batch_keeps_going_past_failures_and_reports(fixture_notebooks, tmp_path
     assert m["params"]["out_dir"] == good[0].job.out
 
 
+@pytest.mark.slow   # papermill end to end
 def test_kernel_that_fails_to_start_is_retried_once(fixture_notebooks, tmp_path, monkeypatch):
     # Stand in for papermill: the first attempt fails the way a kernel that never starts does,
     # the second writes the notebook's metrics. The runner must retry exactly once.
@@ -109,6 +111,7 @@ def test_kernel_that_fails_to_start_is_retried_once(fixture_notebooks, tmp_path,
     assert (r.status, r.attempts) == ("ok", 2)
 
 
+@pytest.mark.slow   # papermill end to end
 def test_a_notebook_error_is_not_retried(fixture_notebooks, tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(batch, "_papermill_cmd", lambda *a: calls.append(1) or [
@@ -124,6 +127,7 @@ def test_list_shows_notebooks_and_claims(capsys):
     assert "12-nfi" in out and "C1" in out and "last result" in out
 
 
+@pytest.mark.slow   # papermill end to end
 def test_strict_batch_fails_a_job_whose_robust_claim_fails(fixture_notebooks, tmp_path):
     ok = discover(fixture_notebooks)[:1]
     jobs = batch.plan(ok, tmp_path, raw_params={"x": ["-1"]})
@@ -162,6 +166,7 @@ def test_notebook_12_through_the_cli(tmp_path, capsys):
     assert resolve("12").slug == "12-nfi"
 
 
+@pytest.mark.slow   # papermill end to end
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "killed"])
 def test_an_interrupted_batch_keeps_finished_jobs_and_no_half_written_result(
         fixture_notebooks, tmp_path, sig):
@@ -205,6 +210,7 @@ def test_an_interrupted_batch_keeps_finished_jobs_and_no_half_written_result(
     assert json.loads((half_job / "metrics.json").read_text())["metrics"]["done"] == 1
 
 
+@pytest.mark.slow   # papermill end to end
 def test_a_string_parameter_holding_code_runs_as_a_string(fixture_notebooks, tmp_path):
     # papermill writes parameters as Python literals: source code in a value stays text
     canary = tmp_path / "PWNED"
@@ -226,6 +232,7 @@ def test_a_path_like_notebook_name_is_refused(tmp_path, capsys):
     assert not (tmp_path / "never").exists()
 
 
+@pytest.mark.slow   # papermill end to end
 def test_a_half_written_metrics_json_is_not_trusted(fixture_notebooks, tmp_path, monkeypatch):
     # papermill stand-in: the kernel "dies" after writing half of metrics.json
     script = ("import pathlib, sys\n"

@@ -16,6 +16,8 @@ from distributed import Client, LocalCluster
 from workbench import batch, cli, cluster
 from workbench.notebooks import discover
 
+pytestmark = pytest.mark.slow   # a LocalCluster and papermill jobs
+
 
 @pytest.fixture(scope="module")
 def client():
