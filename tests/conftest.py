@@ -31,10 +31,59 @@ run.finish()
 '''
 
 
+FIGURE_BODY = '''import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import workbench
+run = workbench.start("05-figure", scale=scale, seed=seed, device="cpu", out_dir=out_dir)
+fig, ax = plt.subplots(figsize=(2, 2))
+ax.plot([0, 1], [0, 1])
+ax.set_title("a line")
+run.savefig(fig, "line")
+run.record(y=1.0 + seed)
+run.finish()
+'''
+
+# Kills the Dask worker that runs it (the kernel's grandparent: kernel -> papermill -> worker)
+# the first time, recording its own pid in `marker`; the retry finds the marker and finishes.
+KILLS_WORKER_BODY = '''import os, pathlib, signal, time
+m = pathlib.Path(marker)
+if not m.exists():
+    m.write_text(str(os.getpid()))
+    stat = pathlib.Path(f"/proc/{os.getppid()}/stat").read_text()
+    os.kill(int(stat.rsplit(")", 1)[1].split()[1]), signal.SIGKILL)
+    time.sleep(120)
+import workbench
+run = workbench.start("06-kills-worker", scale=scale, seed=seed, device="cpu", out_dir=out_dir)
+run.record(pid=os.getpid())
+run.finish()
+'''
+
+# Under WB_TEST_HANG it leaves half a metrics.json in its out_dir (as a kernel killed while
+# writing would) and waits to be interrupted; otherwise it finishes normally.
+HALF_BODY = '''import os, pathlib, time
+if os.environ.get("WB_TEST_HANG"):
+    pathlib.Path(out_dir, "metrics.json").write_text('{"notebook": "07-half", "claims": [')
+    pathlib.Path(os.environ["WB_TEST_HANG"]).write_text(str(os.getpid()))
+    time.sleep(120)
+import workbench
+run = workbench.start("07-half", scale=scale, seed=seed, device="cpu", out_dir=out_dir)
+run.record(done=1)
+run.finish()
+'''
+
+ECHO_BODY = '''import workbench
+run = workbench.start("08-echo", scale=scale, seed=seed, device="cpu", out_dir=out_dir)
+run.record(text=text, text_type=type(text).__name__)
+run.finish()
+'''
+
+
 @pytest.fixture
 def fixture_notebooks(tmp_path):
-    """Four notebooks for the batch tests: one that works, one that raises, one that outlives
-    its timeout, one whose kernel dies."""
+    """Notebooks for the batch tests: one that works, one that raises, one that outlives its
+    timeout, one whose kernel dies, one with a figure, one that kills its Dask worker once, one
+    that hangs after half-writing metrics.json, one that records a string parameter."""
     d = tmp_path / "notebooks"
     d.mkdir()
     make_notebook(d / "01-ok.ipynb", OK_BODY, "x: int = 1  # a number\n")
@@ -42,4 +91,9 @@ def fixture_notebooks(tmp_path):
     make_notebook(d / "03-slow.ipynb", "import time\ntime.sleep(sleep_s)",
                   "sleep_s: float = 60.0  # how long to sleep\n")
     make_notebook(d / "04-dies.ipynb", "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
+    make_notebook(d / "05-figure.ipynb", FIGURE_BODY)
+    make_notebook(d / "06-kills-worker.ipynb", KILLS_WORKER_BODY,
+                  "marker: str = \"\"  # a file that says the first attempt happened\n")
+    make_notebook(d / "07-half.ipynb", HALF_BODY)
+    make_notebook(d / "08-echo.ipynb", ECHO_BODY, "text: str = \"hi\"  # any text\n")
     return d

@@ -1,6 +1,10 @@
 """The batch runner end to end through papermill, on fixture notebooks and on notebook 12."""
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -34,6 +38,7 @@ def test_grid_and_seeds_make_one_job_each(fixture_notebooks, tmp_path):
     assert len({j.out for j in jobs}) == 4
 
 
+@pytest.mark.slow   # papermill end to end
 def test_batch_keeps_going_past_failures_and_reports(fixture_notebooks, tmp_path):
     infos = {i.slug: i for i in discover(fixture_notebooks)}
     out = tmp_path / "out"
@@ -64,39 +69,52 @@ def test_batch_keeps_going_past_failures_and_reports(fixture_notebooks, tmp_path
     index = report.build(out)
     res = pd.read_csv(out / "results.csv")
     assert len(res) == 7 and set(res["status"]) == {"ok", "failed", "timeout", "died"}
-    agg = pd.read_csv(out / "aggregate.csv").set_index("params")
-    assert agg.loc["x=1", "n"] == 2 and agg.loc["x=1", "seeds"] == "0,1"
-    assert agg.loc["x=1", "x_plus_seed mean"] == pytest.approx(1.5)
-    assert agg.loc["x=-1", "claim:C1"] == "0/2" and agg.loc["x=1", "claim:C1"] == "2/2"
+    agg = pd.read_csv(out / "aggregate.csv")
+    assert list(agg.columns) == ["notebook", "params", "metric", "mean", "std", "n", "seeds"]
+    row = agg.set_index(["params", "metric"]).loc[("scale=smoke, x=1", "x_plus_seed")]
+    assert (row["n"], row["seeds"], row["mean"]) == (2, "0,1", pytest.approx(1.5))
+    assert row["std"] == pytest.approx(2 ** -0.5)
+    held = agg[agg["metric"] == "claim:C1"].set_index("params")["mean"]
+    assert held["scale=smoke, x=-1"] == 0.0 and held["scale=smoke, x=1"] == 1.0
+    assert set(agg["notebook"]) == {"01-ok"}          # failed jobs are not aggregated
     page = index.read_text()
     assert "02-raises" in page and "boom from the notebook" in page and "executed notebook" in page
+    # the raising notebook is reported with its error cell, and was run once
+    assert failed.error_cell.startswith("cell 3: raise RuntimeError") and failed.attempts == 1
+    assert "cell 3: raise RuntimeError" in page
 
-    # --resume skips exactly the jobs that finished with the same parameters
+    # --resume skips exactly the jobs that finished (same notebook and parameters)
     again = batch.run_batch(jobs, n_jobs=2, timeout=300, resume=True, show_progress=False)
     assert [r.status for r in again if r.job.slug == "01-ok"] == ["cached"] * 4
     assert next(r for r in again if r.job.slug == "02-raises").status == "failed"
+    # no staging directory is left behind, and metrics.json is where the job ended up
+    assert not [p for p in out.rglob(".*partial*")]
+    m = json.loads((Path(good[0].job.out) / "metrics.json").read_text())
+    assert m["params"]["out_dir"] == good[0].job.out
 
 
+@pytest.mark.slow   # papermill end to end
 def test_kernel_that_fails_to_start_is_retried_once(fixture_notebooks, tmp_path, monkeypatch):
     # Stand in for papermill: the first attempt fails the way a kernel that never starts does,
     # the second writes the notebook's metrics. The runner must retry exactly once.
     script = (
         "import json, pathlib, sys\n"
-        "out = pathlib.Path(sys.argv[1]); n = out / 'attempts'\n"
+        "out = pathlib.Path(sys.argv[1]); n = out.parent / 'attempts'\n"
         "k = int(n.read_text()) + 1 if n.exists() else 1; n.write_text(str(k))\n"
         "if k == 1:\n"
         "    print('RuntimeError: Kernel didn\\'t respond in 60 seconds'); sys.exit(1)\n"
         "(out / 'metrics.json').write_text(json.dumps({'claims': []}))\n")
     monkeypatch.setattr(batch, "_papermill_cmd",
-                        lambda job, timeout: [sys.executable, "-c", script, job.out])
+                        lambda nb, workdir, slug, timeout: [sys.executable, "-c", script, workdir])
     (job,) = batch.plan(discover(fixture_notebooks)[:1], tmp_path)
     r = batch.run_job(job, timeout=30)
     assert (r.status, r.attempts) == ("ok", 2)
 
 
+@pytest.mark.slow   # papermill end to end
 def test_a_notebook_error_is_not_retried(fixture_notebooks, tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(batch, "_papermill_cmd", lambda job, timeout: calls.append(1) or [
+    monkeypatch.setattr(batch, "_papermill_cmd", lambda *a: calls.append(1) or [
         sys.executable, "-c", "print('ValueError: bad input'); raise SystemExit(1)"])
     (job,) = batch.plan(discover(fixture_notebooks)[:1], tmp_path)
     r = batch.run_job(job, timeout=30)
@@ -109,6 +127,7 @@ def test_list_shows_notebooks_and_claims(capsys):
     assert "12-nfi" in out and "C1" in out and "last result" in out
 
 
+@pytest.mark.slow   # papermill end to end
 def test_strict_batch_fails_a_job_whose_robust_claim_fails(fixture_notebooks, tmp_path):
     ok = discover(fixture_notebooks)[:1]
     jobs = batch.plan(ok, tmp_path, raw_params={"x": ["-1"]})
@@ -145,3 +164,85 @@ def test_notebook_12_through_the_cli(tmp_path, capsys):
     assert all(c["holds"] for c in m["claims"] if c["robust"])
     assert (out / "index.html").exists() and (out / "results.csv").exists()
     assert resolve("12").slug == "12-nfi"
+
+
+@pytest.mark.slow   # papermill end to end
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "killed"])
+def test_an_interrupted_batch_keeps_finished_jobs_and_no_half_written_result(
+        fixture_notebooks, tmp_path, sig):
+    # The CLI in its own process: 01-ok finishes, 07-half half-writes metrics.json into its
+    # out_dir and hangs; then the runner gets Ctrl-C (SIGINT) or is killed outright.
+    out, pidfile = tmp_path / "out", tmp_path / "kernel.pid"
+    cmd = [sys.executable, "-m", "workbench.cli", "run", str(fixture_notebooks / "01-ok.ipynb"),
+           str(fixture_notebooks / "07-half.ipynb"), "--jobs", "2", "--out", str(out),
+           "--timeout", "300"]
+    env = dict(os.environ, WB_TEST_HANG=str(pidfile))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    ok_job, half_job = out / "01-ok/smoke/seed-0", out / "07-half/smoke/seed-0"
+    deadline = time.time() + 240
+    while not ((ok_job / "job.json").exists() and pidfile.exists()) and time.time() < deadline:
+        assert proc.poll() is None, proc.stdout.read().decode()
+        time.sleep(0.3)
+    assert (half_job.parent / ".seed-0.partial" / "metrics.json").exists()   # half-written
+    proc.send_signal(sig)
+    text = proc.communicate(timeout=60)[0].decode()
+    assert proc.returncode == (130 if sig == signal.SIGINT else -signal.SIGKILL), text
+    # the finished job is kept whole; the cut one has no result anywhere a reader looks
+    assert json.loads((ok_job / "job.json").read_text())["status"] == "ok"
+    assert json.loads((ok_job / "metrics.json").read_text())["claims"]
+    assert not half_job.exists()
+    assert all(r["notebook"] != "07-half" for r in report.collect(out))
+    # its kernel did not outlive the runner
+    kernel = int(pidfile.read_text())
+    deadline = time.time() + 15
+    while Path(f"/proc/{kernel}").exists() and time.time() < deadline:
+        time.sleep(0.5)
+    assert not Path(f"/proc/{kernel}").exists()
+    if sig == signal.SIGINT:
+        assert "interrupted" in text and "--resume" in text
+    # --resume keeps the finished job and runs the cut one
+    env.pop("WB_TEST_HANG")
+    again = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    lines = {ln.split()[0]: ln for ln in again.stdout.splitlines() if ln[:3] in ("01-", "07-")}
+    assert " cached " in lines["01-ok"] and " ok " in lines["07-half"]
+    assert json.loads((half_job / "metrics.json").read_text())["metrics"]["done"] == 1
+
+
+@pytest.mark.slow   # papermill end to end
+def test_a_string_parameter_holding_code_runs_as_a_string(fixture_notebooks, tmp_path):
+    # papermill writes parameters as Python literals: source code in a value stays text
+    canary = tmp_path / "PWNED"
+    payload = f'x"\nopen({str(canary)!r}, "w")  # \'\'\' """ \\'
+    info = discover(fixture_notebooks)[7]
+    assert info.slug == "08-echo"
+    jobs = batch.plan([info], tmp_path / "out", raw_params={"text": [payload]})
+    (r,) = batch.run_batch(jobs, n_jobs=1, timeout=300, show_progress=False)
+    assert r.status == "ok", r.error
+    m = json.loads((Path(r.job.out) / "metrics.json").read_text())
+    assert m["metrics"] == {"text": payload, "text_type": "str"}
+    assert not canary.exists()
+
+
+def test_a_path_like_notebook_name_is_refused(tmp_path, capsys):
+    for name in ("../x", "../../etc/passwd", "notebooks/../12-nfi"):
+        assert cli.main(["run", name, "--out", str(tmp_path / "never")]) == 2
+        assert f"no notebook named {name!r}" in capsys.readouterr().err
+    assert not (tmp_path / "never").exists()
+
+
+@pytest.mark.slow   # papermill end to end
+def test_a_half_written_metrics_json_is_not_trusted(fixture_notebooks, tmp_path, monkeypatch):
+    # papermill stand-in: the kernel "dies" after writing half of metrics.json
+    script = ("import pathlib, sys\n"
+              "pathlib.Path(sys.argv[1], 'metrics.json').write_text('{\"claims\": [')\n"
+              "print('DeadKernelError: Kernel died'); sys.exit(1)\n")
+    monkeypatch.setattr(batch, "_papermill_cmd",
+                        lambda nb, workdir, slug, timeout: [sys.executable, "-c", script, workdir])
+    (job,) = batch.plan(discover(fixture_notebooks)[:1], tmp_path)
+    r = batch.run_job(job, timeout=30)
+    assert r.status == "died"
+    assert not (Path(job.out) / "metrics.json").exists()      # removed, not committed
+    assert json.loads((Path(job.out) / "job.json").read_text())["status"] == "died"
+    assert batch.cached_result(job) is None                    # and a resume runs it again

@@ -51,6 +51,7 @@ def cmd_run(args) -> int:
     if not args.all and not args.notebooks:
         print("name one or more notebooks (see `workbench list`) or pass --all", file=sys.stderr)
         return 2
+    executor = "dask" if args.scheduler else args.executor
     try:
         infos = nbs.discover() if args.all else [nbs.resolve(n) for n in args.notebooks]
         seeds = [int(s) for s in batch.split_values(args.seeds)]
@@ -64,22 +65,51 @@ def cmd_run(args) -> int:
     except (LookupError, batch.ParameterError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    out.mkdir(parents=True, exist_ok=True)
     n_jobs = args.jobs or os.cpu_count() or 1
-    print(f"{len(jobs)} job(s) over {len(infos)} notebook(s), {min(n_jobs, len(jobs))} at a time, "
+    client = None
+    if executor == "dask":      # connect before anything runs: a bad address is bad input
+        from . import cluster
+        try:
+            client = cluster.connect(args.scheduler, n_workers=min(n_jobs, len(jobs)), timeout=5,
+                                     retries=args.retries)
+        except cluster.SchedulerError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        where = args.scheduler or f"a local cluster of {min(n_jobs, len(jobs))} worker(s)"
+        how = f"on {where}" + (f", dashboard {client.dashboard_link}"
+                               if getattr(client, "dashboard_link", None) else "")
+    else:
+        how = f"{min(n_jobs, len(jobs))} at a time"
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"{len(jobs)} job(s) over {len(infos)} notebook(s), {how}, "
           f"timeout {args.timeout:g} s each -> {out}")
-    results = batch.run_batch(jobs, n_jobs=n_jobs, timeout=args.timeout, resume=args.resume,
-                              strict=args.strict)
+    try:
+        # on an existing cluster, without --jobs: as many jobs at a time as it has threads
+        window = args.jobs if args.scheduler else n_jobs
+        if client is not None:
+            results = cluster.run_dask(jobs, client=client, n_workers=window,
+                                       timeout=args.timeout, resume=args.resume,
+                                       strict=args.strict, retries=args.retries)
+        else:
+            results = batch.run_batch(jobs, n_jobs=n_jobs, timeout=args.timeout,
+                                      resume=args.resume, strict=args.strict)
+    finally:
+        if client is not None:
+            cluster.close(client)
     print(batch.summary_table(results))
-    index = report.build(out)
+    index = report.build(out, html=args.html)
     print(f"report: {index}")
+    if any(r.status == "interrupted" for r in results):
+        print(f"interrupted: finished jobs are kept; `--resume --out {out}` runs the rest",
+              file=sys.stderr)
+        return 130
     return 0 if all(r.passed for r in results) else 1
 
 
 def cmd_report(args) -> int:
     from . import report
     try:
-        index = report.build(Path(args.dir))
+        index = report.build(Path(args.dir), html=not args.no_html)
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -143,16 +173,29 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("-p", "--param", nargs=2, action="append", metavar=("NAME", "VALUE"),
                    help="set a notebook parameter; a comma list (-p bits 4,3,2) makes a grid")
     r.add_argument("--seeds", default="0", help="comma list of seeds, e.g. 0,1,2")
-    r.add_argument("--jobs", type=int, default=None, help="parallel jobs (default: cores)")
+    r.add_argument("--jobs", type=int, default=None,
+                   help="parallel jobs (default: cores; with --scheduler, the cluster's threads)")
     r.add_argument("--timeout", type=float, default=900, help="seconds per job")
     r.add_argument("--out", default=None, help="run directory (default runs/<timestamp>)")
     r.add_argument("--resume", action="store_true",
-                   help="skip jobs whose results exist for the same parameters")
+                   help="skip jobs complete in --out for the same notebook content and parameters")
     r.add_argument("--strict", action="store_true",
                    help="a robust claim that does not hold fails its job")
+    r.add_argument("--executor", choices=("process", "dask"), default="process",
+                   help="local papermill processes (default) or tasks on a Dask cluster")
+    r.add_argument("--scheduler", metavar="ADDRESS", default=None,
+                   help="Dask scheduler to run on, e.g. tcp://host:8786 (implies --executor dask;"
+                        " default: a local cluster of --jobs workers)")
+    r.add_argument("--retries", type=int, default=1,
+                   help="Dask: times a job is re-run on another worker when its worker dies "
+                        "(local cluster; an existing one uses its allowed-failures setting)")
+    r.add_argument("--html", action="store_true",
+                   help="also render each executed notebook as HTML (about 1 s each)")
 
     rep = sub.add_parser("report", help="results.csv, aggregate.csv and index.html of a run dir")
     rep.add_argument("dir")
+    rep.add_argument("--no-html", action="store_true",
+                     help="do not render executed notebooks as HTML (faster)")
 
     z = sub.add_parser("zoo", help="build, list or clear the shared pretrained backbones")
     z.add_argument("action", choices=("build", "list", "clear"))

@@ -2,27 +2,40 @@
 
 It reads what the jobs left behind (``job.json`` from the batch runner, ``metrics.json`` from the
 notebook, see DESIGN.md) and never re-runs anything. Works on any directory holding run
-directories, so ``workbench report runs/interactive`` works too. No torch here.
+directories, so ``workbench report runs/interactive`` works too; hidden directories (a job's
+staging directory) are skipped.
+
+``aggregate.csv`` is long: one row per notebook x parameters x metric (mean, std, n, seeds), so
+``pd.read_csv(...).pivot_table(index=["notebook", "params"], columns="metric", values="mean")``
+gives the wide view. A claim appears as the metric ``claim:C1`` whose mean is the share of seeds
+in which it held. The HTML is rendered by Jinja2 with autoescaping (``report_html.py``), so every
+string that comes from a notebook is escaped. No torch and no pandas here: the CLI imports it.
 """
 from __future__ import annotations
 
-import html
+import csv
 import json
 import math
+import statistics
 from pathlib import Path
+
+AGGREGATE_COLUMNS = ["notebook", "params", "metric", "mean", "std", "n", "seeds"]
 
 
 def collect(root: Path) -> list[dict]:
     """One record per run directory under ``root``: job status plus the notebook's metrics."""
     root = Path(root)
-    dirs = {p.parent for p in root.rglob("job.json")} | {p.parent for p in root.rglob("metrics.json")}
+    found = {p.parent for p in root.rglob("job.json")} | {p.parent for p in root.rglob("metrics.json")}
     records = []
-    for d in sorted(dirs):
-        job = json.loads((d / "job.json").read_text()) if (d / "job.json").exists() else {}
-        met = json.loads((d / "metrics.json").read_text()) if (d / "metrics.json").exists() else {}
+    for d in sorted(found):
+        rel = d.relative_to(root)
+        if any(part.startswith(".") for part in rel.parts):
+            continue            # a job being assembled, or the leftovers of an interrupted one
+        job = _read_json(d / "job.json")
+        met = _read_json(d / "metrics.json")
         spec = job.get("job", {})
         records.append({
-            "dir": d, "rel": d.relative_to(root).as_posix(),
+            "dir": d, "rel": rel.as_posix(),
             "notebook": spec.get("slug") or met.get("notebook", d.name),
             "params": spec.get("params", {k: v for k, v in met.get("params", {}).items()
                                           if k not in ("scale", "seed", "device", "out_dir")}),
@@ -31,7 +44,10 @@ def collect(root: Path) -> list[dict]:
             "status": job.get("status", "ok" if met else "unknown"),
             "duration_s": job.get("duration_s", met.get("duration_s")),
             "run_s": met.get("duration_s"),     # start() to finish(): kernel start excluded
+            "attempts": job.get("attempts", 1),
+            "note": job.get("note", ""),
             "error": job.get("error", ""),
+            "error_cell": job.get("error_cell", ""),
             "metrics": met.get("metrics", {}),
             "claims": met.get("claims", []),
             "figures": met.get("figures", []),
@@ -39,62 +55,101 @@ def collect(root: Path) -> list[dict]:
     return records
 
 
-def _params_key(params: dict) -> str:
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):       # absent, or unreadable: the record says what it can
+        return {}
+
+
+def params_key(params: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in sorted(params.items())) or "-"
 
 
-def results_frame(records: list[dict]):
-    """One row per job: notebook, parameters, seed, status, duration, metrics, claim verdicts."""
-    import pandas as pd
+def _number(v) -> float | None:
+    """A metric value as a float, or None when it is not a finite-or-inf number (text, lists)."""
+    if isinstance(v, bool):
+        return float(v)
+    if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v)):
+        return float(v)
+    return None
+
+
+def results_rows(records: list[dict]) -> list[dict]:
+    """One row per job: notebook, parameters, seed, status, duration, scalar metrics
+    (``metric:NAME``) and claim verdicts (``claim:ID``)."""
     rows = []
     for r in records:
-        row = {"notebook": r["notebook"], "scale": r["scale"], "params": _params_key(r["params"]),
+        row = {"notebook": r["notebook"], "scale": r["scale"], "params": params_key(r["params"]),
                "seed": r["seed"], "status": r["status"], "duration_s": r["duration_s"],
-               "run_s": r["run_s"],
-               "error": r["error"]}
+               "run_s": r["run_s"], "attempts": r["attempts"], "note": r["note"],
+               "error": r["error"], "error_cell": r["error_cell"]}
         for k, v in r["metrics"].items():
             if isinstance(v, (int, float, bool)) or v is None:
                 row[f"metric:{k}"] = v
         for c in r["claims"]:
             row[f"claim:{c['id']}"] = "holds" if c["holds"] else "does not hold"
         rows.append(row)
-    return pd.DataFrame(rows)
+    return rows
 
 
-def aggregate_frame(results):
-    """Per notebook x parameters, over seeds: n, seeds, mean and std of every numeric metric,
-    and for every claim how many seeds it held in."""
-    import pandas as pd
-    if results.empty:
-        return pd.DataFrame()
+def aggregate_rows(records: list[dict]) -> list[dict]:
+    """Long format over the seeds of each notebook x scale x parameters (passed jobs only):
+    one row per numeric metric and per claim, with mean, std (ddof 1; 0 for one seed), n, seeds.
+    ``params`` includes the scale (``scale=smoke, lr=0.01``) so a smoke and a full run of the
+    same grid point stay apart."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        if r["status"] in ("ok", "cached"):
+            key = (r["notebook"], params_key({"scale": r["scale"], **r["params"]}))
+            groups.setdefault(key, []).append(r)
     rows = []
-    ok = results[results["status"].isin(["ok", "cached"])]
-    for (nb, scale, params), g in ok.groupby(["notebook", "scale", "params"], dropna=False):
-        row = {"notebook": nb, "scale": scale, "params": params, "n": len(g),
-               "seeds": ",".join(str(s) for s in sorted(g["seed"].dropna().astype(int)))}
-        for col in g.columns:
-            if col.startswith("metric:"):
-                vals = pd.to_numeric(g[col], errors="coerce").dropna()
-                if len(vals):
-                    row[f"{col[7:]} mean"] = vals.mean()
-                    row[f"{col[7:]} std"] = vals.std(ddof=1) if len(vals) > 1 else 0.0
-            elif col.startswith("claim:"):
-                vals = g[col].dropna()
-                row[col] = f"{(vals == 'holds').sum()}/{len(vals)}"
-        rows.append(row)
-    return pd.DataFrame(rows)
+    for (nb, params), recs in sorted(groups.items()):
+        recs = sorted(recs, key=lambda r: (r["seed"] is None, r["seed"]))
+        series: dict[str, list[tuple]] = {}
+        for r in recs:
+            for k, v in r["metrics"].items():
+                if (x := _number(v)) is not None:
+                    series.setdefault(k, []).append((r["seed"], x))
+        for r in recs:
+            for c in r["claims"]:
+                series.setdefault(f"claim:{c['id']}", []).append((r["seed"], float(c["holds"])))
+        for metric, pairs in series.items():
+            vals = [x for _, x in pairs]
+            mean = statistics.fmean(vals)
+            try:
+                std = statistics.stdev(vals) if len(vals) > 1 else 0.0
+            except (ValueError, OverflowError):     # an infinite value: no spread to give
+                std = math.nan
+            rows.append({"notebook": nb, "params": params, "metric": metric, "mean": mean,
+                         "std": std, "n": len(vals),
+                         "seeds": ",".join(str(s) for s, _ in pairs)})
+    return rows
 
 
-def _fmt(v) -> str:
+def _write_csv(path: Path, rows: list[dict], first: list[str]) -> None:
+    cols = list(first)
+    for row in rows:
+        cols += [k for k in row if k not in cols]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols, restval="")
+        w.writeheader()
+        w.writerows(rows)
+
+
+def fmt(v) -> str:
+    """Numbers to 4 significant digits, None and NaN to blank; the template escapes the rest."""
+    if v is None:
+        return ""
     if isinstance(v, float):
-        if math.isnan(v):
-            return ""
-        return f"{v:.4g}"
-    return html.escape(str(v))
+        return "" if math.isnan(v) else f"{v:.4g}"
+    return str(v)
 
 
-def _render_notebook(nb_path: Path) -> Path | None:
-    """The executed notebook as HTML beside it (skipped when already up to date)."""
+def render_notebook(nb_path: Path) -> Path | None:
+    """The executed notebook as HTML beside it (skipped when already up to date). About a
+    second per notebook (nbconvert), which is why ``workbench run`` leaves it to ``--html`` or
+    ``workbench report``."""
     target = nb_path.with_suffix(".html")
     if target.exists() and target.stat().st_mtime >= nb_path.stat().st_mtime:
         return target
@@ -108,105 +163,87 @@ def _render_notebook(nb_path: Path) -> Path | None:
         return None
 
 
-def _claims_matrix(recs: list[dict]) -> str:
+def _claims_matrix(recs: list[dict]) -> dict:
     """Claims as rows, runs as columns, verdicts in the cells."""
     ids, texts = [], {}
     for r in recs:
         for c in r["claims"]:
             if c["id"] not in texts:
                 ids.append(c["id"])
-                texts[c["id"]] = (c["text"], c.get("robust", False))
-    if not ids:
-        return "<p>No claims recorded.</p>"
-    head = "".join(f"<th>{_fmt(_params_key(r['params']))}<br>seed {r['seed']}</th>" for r in recs)
-    body = []
+                texts[c["id"]] = (c.get("text", ""), c.get("robust", False))
+    cols = [f"{params_key(r['params'])} · seed {r['seed']}" for r in recs]
+    rows = []
     for cid in ids:
         cells = []
         for r in recs:
             c = next((c for c in r["claims"] if c["id"] == cid), None)
-            if c is None:
-                cells.append("<td class=na>-</td>")
-            else:
-                cells.append(f"<td class={'ok' if c['holds'] else 'bad'}>"
-                             f"{'holds' if c['holds'] else 'does not hold'}</td>")
-        text, robust = texts[cid]
-        body.append(f"<tr><th>{cid}{' (robust)' if robust else ''}</th>"
-                    f"<td class=text>{_fmt(text)}</td>{''.join(cells)}</tr>")
-    return (f"<table><tr><th>claim</th><th>text</th>{head}</tr>{''.join(body)}</table>")
+            cells.append(None if c is None else bool(c["holds"]))
+        rows.append({"id": cid, "text": texts[cid][0], "robust": texts[cid][1], "cells": cells})
+    return {"columns": cols, "rows": rows}
 
 
-def _table(df) -> str:
-    if df is None or df.empty:
-        return "<p>(empty)</p>"
-    head = "".join(f"<th>{_fmt(c)}</th>" for c in df.columns)
-    rows = "".join("<tr>" + "".join(f"<td>{_fmt(v)}</td>" for v in row) + "</tr>"
-                   for row in df.itertuples(index=False))
-    return f"<table><tr>{head}</tr>{rows}</table>"
+def _aggregate_table(rows: list[dict]) -> dict:
+    """One notebook's aggregate rows pivoted: metrics down, parameter sets across."""
+    params = list(dict.fromkeys(r["params"] for r in rows))
+    metrics = list(dict.fromkeys(r["metric"] for r in rows))
+    cell = {(r["metric"], r["params"]): r for r in rows}
+    body = []
+    for m in metrics:
+        cells = []
+        for p in params:
+            r = cell.get((m, p))
+            cells.append(None if r is None else {"mean": fmt(r["mean"]), "std": fmt(r["std"]),
+                                                 "n": r["n"], "seeds": r["seeds"]})
+        body.append({"metric": m, "cells": cells})
+    return {"params": params, "rows": body}
 
 
-CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color:#222}
-table{border-collapse:collapse;margin:.5em 0 1.5em;font-size:13px}
-td,th{border:1px solid #ccc;padding:3px 8px;text-align:left;vertical-align:top}
-td.ok{background:#e3f4e1}td.bad{background:#fbe1e1}td.na{color:#999}td.text{max-width:480px}
-img{max-width:560px;margin:4px;border:1px solid #eee}h2{border-bottom:2px solid #1f5a96}
-.fail{color:#b00}"""
-
-
-def build(root: Path) -> Path:
+def build(root: Path, html: bool = True) -> Path:
     """Write ``results.csv``, ``aggregate.csv`` and ``index.html`` into ``root``; return the
-    path of ``index.html``."""
+    path of ``index.html``. ``html``: also render each executed notebook as HTML beside it
+    (nbconvert, ~1 s each); without it the report links the ``.ipynb`` (or an HTML page that is
+    already there)."""
+    from .report_html import render
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"{root} is not a directory; give the --out directory of a run")
     records = collect(root)
-    results = results_frame(records)
-    agg = aggregate_frame(results)
-    results.to_csv(root / "results.csv", index=False)
-    agg.to_csv(root / "aggregate.csv", index=False)
+    results = results_rows(records)
+    agg = aggregate_rows(records)
+    _write_csv(root / "results.csv", results, ["notebook", "scale", "params", "seed", "status"])
+    _write_csv(root / "aggregate.csv", agg, AGGREGATE_COLUMNS)
 
-    parts = [f"<html><head><meta charset=utf-8><title>Workbench report: {html.escape(str(root))}"
-             f"</title><style>{CSS}</style></head><body>",
-             f"<h1>Workbench report</h1><p>{len(records)} run(s) in <code>{html.escape(str(root))}"
-             "</code>; tables: <a href=results.csv>results.csv</a>, "
-             "<a href=aggregate.csv>aggregate.csv</a>.</p>"]
-    if not results.empty:
-        cols = [c for c in ("notebook", "params", "seed", "status", "duration_s", "run_s", "error")
-                if c in results]
-        parts += ["<h2>Jobs</h2>", _table(results[cols])]
+    notebooks = []
     for nb in sorted({r["notebook"] for r in records}):
         recs = [r for r in records if r["notebook"] == nb]
-        recs.sort(key=lambda r: (_params_key(r["params"]), r["seed"] if r["seed"] is not None
+        recs.sort(key=lambda r: (params_key(r["params"]), r["seed"] if r["seed"] is not None
                                  else -1))
-        parts.append(f"<h2 id='{html.escape(nb)}'>{html.escape(nb)}</h2>")
-        failed = [r for r in recs if r["status"] not in ("ok", "cached")]
-        for r in failed:
-            parts.append(f"<p class=fail>{_fmt(r['rel'])}: {r['status']} {_fmt(r['error'])} "
-                         f"(<a href='{r['rel']}/log.txt'>log</a>)</p>")
-        parts += ["<h3>Verdicts</h3>", _claims_matrix([r for r in recs if r["claims"]])]
-        if not agg.empty:
-            sub = agg[agg["notebook"] == nb].dropna(axis=1, how="all")
-            if len(sub):
-                parts += ["<h3>Aggregate over seeds (mean, std, n)</h3>", _table(sub)]
+        runs = []
         for r in recs:
-            links = []
             executed = r["dir"] / f"{nb}.ipynb"
+            page = None
             if executed.exists():
-                page = _render_notebook(executed)
-                if page:
-                    links.append(f"<a href='{page.relative_to(root).as_posix()}'>executed "
-                                 "notebook</a>")
-            if (r["dir"] / "log.txt").exists():
-                links.append(f"<a href='{r['rel']}/log.txt'>log</a>")
-            figs = []
-            for name in r["figures"]:
-                rel = f"{r['rel']}/figures/{name}"
-                figs.append(f"<a href='{rel}'><img src='{rel}' alt='{html.escape(name)}'></a>"
-                            if name.endswith(".png") else f"<a href='{rel}'>{html.escape(name)}</a>")
-            first = r is recs[0]
-            parts.append(f"<details{' open' if first else ''}><summary>{_fmt(r['rel'])} "
-                         f"({r['status']}, {_fmt(r['duration_s'])} s) {' · '.join(links)}"
-                         f"</summary>{''.join(figs)}</details>")
-    parts.append("</body></html>")
+                page = render_notebook(executed) if html else (
+                    executed.with_suffix(".html") if executed.with_suffix(".html").exists()
+                    else None)
+            figures = [{"href": f"{r['rel']}/figures/{name}", "name": name,
+                        "image": name.lower().endswith((".png", ".svg", ".jpg"))}
+                       for name in r["figures"]]
+            runs.append({
+                "rel": r["rel"], "status": r["status"], "duration": fmt(r["duration_s"]),
+                "notebook": (page.relative_to(root).as_posix() if page else
+                             f"{r['rel']}/{nb}.ipynb" if executed.exists() else None),
+                "log": f"{r['rel']}/log.txt" if (r["dir"] / "log.txt").exists() else None,
+                "figures": figures})
+        notebooks.append({
+            "name": nb,
+            "failed": [r for r in recs if r["status"] not in ("ok", "cached")],
+            "claims": _claims_matrix([r for r in recs if r["claims"]]),
+            "aggregate": _aggregate_table([a for a in agg if a["notebook"] == nb]),
+            "runs": runs})
+    jobs = [{**row, "duration_s": fmt(row["duration_s"]), "run_s": fmt(row["run_s"])}
+            for row in results]
     index = root / "index.html"
-    index.write_text("\n".join(parts))
+    index.write_text(render(root=str(root), n_runs=len(records), jobs=jobs,
+                            notebooks=notebooks))
     return index

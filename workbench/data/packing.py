@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["encode", "pad", "pack", "stream"]
+__all__ = ["encode", "pad", "pack", "stream", "task_batch"]
 
 IGNORE = -100   # the label that cross-entropy skips (transformers' convention)
 
@@ -72,3 +72,12 @@ def stream(pairs: list[tuple[list, list]], n_rows: int, ctx: int) -> torch.Tenso
     if len(ids) < n_rows * ctx:
         raise ValueError(f"{len(ids)} tokens of task text, {n_rows * ctx} needed; pass more examples")
     return torch.tensor(ids, dtype=torch.long).view(n_rows, ctx)
+
+
+def task_batch(tok, examples, device=None) -> dict[str, torch.Tensor]:
+    """Task-registry examples as right-padded ``<bos> prompt completion <eos>`` rows labelled on
+    the answer (:func:`encode`, :func:`pad`): the task loss is the answer's negative
+    log-likelihood."""
+    out = pad(encode(tok, [e.prompt for e in examples], [e.completion() for e in examples]),
+              tok.pad_token_id)
+    return {k: v.to(device) for k, v in out.items()} if device is not None else out

@@ -246,17 +246,6 @@ def codes_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: m.codes.clone() for n, m in model.named_modules() if isinstance(m, QuantLinear)}
 
 
-# -- task text -------------------------------------------------------------------------------
-
-def task_batch(tok, examples, device=None) -> dict[str, torch.Tensor]:
-    """``<bos> prompt completion <eos>`` rows, right-padded, labelled on the answer
-    (:func:`workbench.data.packing.pad`): the task loss is the answer's negative log-likelihood."""
-    from ..data import packing
-    out = packing.pad(packing.encode(tok, [e.prompt for e in examples],
-                                     [e.completion() for e in examples]), tok.pad_token_id)
-    return {k: v.to(device) for k, v in out.items()} if device is not None else out
-
-
 def lm_loss(model, batch: dict) -> torch.Tensor:
     """Mean next-token cross-entropy on the labelled (answer) tokens."""
     return model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
@@ -398,6 +387,6 @@ def memory_profile(model, scales: list[torch.Tensor], loss_fn, zo_fn) -> dict:
 __all__ = ["LAWS", "CLIP", "MIN_SCALE", "Perturbation", "ladder", "sample_law", "law_moments",
            "near_square", "factor_shape", "sample_direction", "sample_batch", "directions",
            "perturb_", "two_point", "zo_step", "zo_estimate", "quantize", "codes_snapshot",
-           "task_batch", "lm_loss", "subset", "true_gradient", "flat", "cosine",
+           "lm_loss", "subset", "true_gradient", "flat", "cosine",
            "estimator_quality", "linearized_quality", "energy_top", "tensor_bytes",
            "SavedForBackward", "memory_profile"]

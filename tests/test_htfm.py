@@ -1,0 +1,170 @@
+"""Properties of HTFM (paper 08): clock laws against scipy (KS), the log-signature against the
+analytic Levy area and esig, the FM target, and each metric against a known answer."""
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from workbench.data.heavy_tailed import extreme_field, imbalanced_digits, stable_mixture
+from workbench.methods import htfm as H
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+# -- clock laws (C1) ----------------------------------------------------------------------------
+def test_inverse_gamma_scale_mixture_is_student_t():
+    x0, tau = H.sample_source(H.Clock("inverse_gamma", 3.0), 4000, 1, generator=gen())
+    assert stats.kstest(tau[:, -1].numpy(), stats.invgamma(1.5, scale=1.5).cdf).pvalue > 1e-3
+    assert stats.kstest(x0[:, 0].numpy(), stats.t(3.0).cdf).pvalue > 1e-3
+    # the test has power: the same samples are not t with 30 degrees of freedom
+    assert stats.kstest(x0[:, 0].numpy(), stats.t(30.0).cdf).pvalue < 1e-3
+
+
+def test_cms_positive_stable_matches_scipy():
+    beta = 0.75
+    a = H.positive_stable(beta, 3000, gen(1)).numpy()
+    assert (a > 0).all()
+    ref = stats.levy_stable(beta, 1.0, scale=math.cos(math.pi * beta / 2) ** (1 / beta))
+    assert stats.kstest(a, ref.cdf).pvalue > 1e-3
+    # Laplace transform exp(-lam^beta) at lam = 1
+    assert abs(np.exp(-a).mean() - math.exp(-1)) < 0.02
+
+
+def test_stable_clock_marginal_is_symmetric_stable():
+    clock = H.Clock("stable", 1.5)
+    x0, tau = H.sample_source(clock, 3000, 1, generator=gen(2))
+    assert (tau.diff(dim=1) >= 0).all() and (tau[:, 0] == 0).all()
+    assert stats.kstest(x0[:, 0].numpy(), clock.marginal_law().cdf).pvalue > 1e-3
+    assert stats.kstest(x0[:, 0].numpy(), stats.norm(scale=x0.std().item()).cdf).pvalue < 1e-3
+
+
+def test_constant_and_alpha_two_clocks_are_gaussian():
+    for clock in (H.Clock("constant"), H.Clock("stable", 2.0)):
+        x0, tau = H.sample_source(clock, 3000, 1, generator=gen(3))
+        assert torch.allclose(tau[:, -1], torch.ones(3000, dtype=tau.dtype))
+        assert stats.kstest(x0[:, 0].numpy(), stats.norm.cdf).pvalue > 1e-3
+
+
+def test_bad_clock_parameters_are_clear_errors():
+    with pytest.raises(ValueError, match="alpha"):
+        H.Clock("stable", 2.5)
+    with pytest.raises(ValueError, match="kind"):
+        H.Clock("cauchy")
+
+
+# -- log-signature (C2) ---------------------------------------------------------------------------
+def test_levy_area_of_known_paths():
+    square = torch.tensor([[[0., 0.], [1., 0.], [1., 1.], [0., 1.], [0., 0.]]], dtype=torch.float64)
+    ls = H.log_signature(square)
+    assert torch.allclose(ls, torch.tensor([[0., 0., 1.]], dtype=torch.float64))  # area 1, ccw
+    assert torch.allclose(H.log_signature(square.flip(1))[0, 2], torch.tensor(-1.0, dtype=torch.float64))
+    line = torch.linspace(0, 1, 7, dtype=torch.float64)[None, :, None] * torch.tensor([2., -3.])
+    assert torch.allclose(H.log_signature(line.double()), torch.tensor([[2., -3., 0.]], dtype=torch.float64))
+    # a polygon inscribed in a circle: the area tends to pi r^2
+    th = torch.linspace(0, 2 * math.pi, 2001, dtype=torch.float64)
+    circle = torch.stack([torch.cos(th) - 1, torch.sin(th)], 1)[None] * 2.0
+    assert abs(H.log_signature(circle)[0, 2].item() - math.pi * 4) < 1e-3
+
+
+def test_log_signature_matches_esig():
+    pytest.importorskip("esig")
+    path = torch.randn(6, 9, 3, generator=gen(4), dtype=torch.float64).cumsum(1)
+    assert torch.allclose(H.log_signature(path), H.log_signature(path, backend="esig"), atol=1e-10)
+    assert H.logsig_keys(3) == ["1", "2", "3", "[1,2]", "[1,3]", "[2,3]"]
+
+
+def test_time_augmented_clock_area():
+    # area 1/2 int (s dtau - tau ds): a clock that runs late has positive area, one that runs
+    # early negative, a uniform one none
+    tau = torch.tensor([[0., 0., 1.], [0., 1., 1.], [0., .5, 1.]], dtype=torch.float64)
+    area = H.log_signature(H.time_augmented(tau))[:, 2]
+    assert torch.allclose(area, torch.tensor([0.25, -0.25, 0.0], dtype=torch.float64))
+    assert H.clock_features(tau).shape == (3, 2)
+    paths = H.Clock("stable", 1.5).sample_paths(50, 16, gen(8))
+    full = torch.asinh(H.log_signature(H.time_augmented(paths))[:, 1:])
+    assert torch.allclose(H.clock_features(paths), full, rtol=1e-10, atol=1e-12)
+
+
+# -- flow matching --------------------------------------------------------------------------------
+def test_fm_target_is_the_path_velocity():
+    x0, x1 = torch.randn(5, 2), torch.randn(5, 2)
+    t, h = torch.rand(5, 1) * 0.9, 1e-3
+    xt, u = H.fm_pair(x0, x1, t)
+    assert torch.allclose(xt, (1 - t) * x0 + t * x1)
+    assert torch.allclose((H.fm_pair(x0, x1, t + h)[0] - xt) / h, u, atol=1e-2)
+    assert torch.allclose(H.fm_pair(x0, x1, torch.zeros(5, 1))[0], x0)
+
+
+def test_training_reduces_loss_and_sampling_moves_to_data():
+    data = torch.tensor([[3.0, 0.0]]).repeat(256, 1) + 0.05 * torch.randn(256, 2, generator=gen(5))
+    m = H.methods_for(1.5)["htfm"]
+    model, losses = H.train_fm(data, m, steps=300, batch=64, hidden=32, depth=2, generator=gen(6))
+    assert losses[-50:].mean() < 0.5 * losses[:50].mean()
+    x = H.sample(model, H.Clock("constant"), 500, 8, generator=gen(7))
+    assert torch.linalg.norm(x.median(0).values - torch.tensor([3.0, 0.0])) < 0.5
+
+
+# -- metrics --------------------------------------------------------------------------------------
+def test_sliced_wasserstein_matches_pot():
+    ot = pytest.importorskip("ot")
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((300, 3)), rng.standard_normal((200, 3)) + 0.5
+    proj = H.random_directions(3, 20, seed=1)
+    for p in (1, 2):
+        ours = H.sliced_wasserstein(x, y, projections=proj, p=p)
+        theirs = ot.sliced_wasserstein_distance(x, y, projections=proj, p=p)
+        assert abs(ours - float(theirs)) < 1e-8
+    assert H.sliced_wasserstein(x, x) < 1e-12
+
+
+def test_wasserstein_1d_shift():
+    u = np.random.default_rng(1).standard_normal(500)
+    assert abs(H.wasserstein_1d(u, u + 2.0) - 2.0) < 1e-12
+
+
+def test_mode_coverage_sees_a_dropped_mode():
+    centers = np.array([[0., 0.], [10., 0.]])
+    x = np.concatenate([np.zeros((90, 2)), np.full((10, 2), [10., 0.])])
+    full = H.mode_coverage(x, centers, [0.9, 0.1], 1.0, rare=[1])
+    dropped = H.mode_coverage(x[:90], centers, [0.9, 0.1], 1.0, rare=[1])
+    assert full["coverage"] == 1.0 and full["hit"] == 1.0
+    assert dropped["coverage"] == 0.0 and dropped["hit"] == 0.0
+
+
+def test_high_quantiles_and_error():
+    r = np.random.default_rng(2).exponential(size=200_000)
+    assert np.allclose(H.high_quantiles(r, (0.99,)), -np.log(0.01), rtol=0.03)
+    assert H.quantile_error(r, r) == 0.0
+    assert abs(H.quantile_error(2 * r, r) - math.log(2)) < 1e-12
+
+
+@pytest.mark.parametrize("a", [1.0, 1.5, 3.0])
+def test_hill_recovers_pareto_index(a):
+    x = np.random.default_rng(3).pareto(a, 100_000) + 1.0      # Pareto(a) on [1, inf)
+    assert abs(H.hill(x, k=2000) - a) < 0.08 * a
+    assert H.hill_curve(x, [500, 1000]).shape == (2,)
+
+
+def test_hill_bad_k_is_clear():
+    with pytest.raises(ValueError, match="k"):
+        H.hill(np.arange(1.0, 11.0), k=10)
+
+
+# -- data -----------------------------------------------------------------------------------------
+def test_stable_mixture_is_seeded_and_imbalanced():
+    a, b = stable_mixture(2000, seed=4), stable_mixture(2000, seed=4)
+    assert np.array_equal(a.x, b.x)
+    freq = np.bincount(a.label, minlength=6) / 2000
+    assert freq[0] > 10 * freq[-1] and len(a.rare) >= 1 and a.weights[a.rare].max() < 0.05
+
+
+def test_c5_data_shapes():
+    x, y, frac = imbalanced_digits(ratio=20, seed=0)
+    counts = np.bincount(y, minlength=10)
+    assert x.shape[1] == 64 and counts[0] > 10 * counts[9] and 0 <= x.min() and x.max() <= 1
+    f = extreme_field(50, size=8, seed=0)
+    assert f.shape == (50, 64) and np.isfinite(f).all()

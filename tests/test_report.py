@@ -1,0 +1,74 @@
+"""The batch report from run directories written by hand (no notebook runs): the long
+aggregate.csv, per-notebook tables, and escaping of every string that comes from a notebook."""
+import json
+
+import pandas as pd
+import pytest
+
+from workbench import report
+
+
+def _job(root, slug, params, seed, metrics, claims, status="ok", error="", error_cell=""):
+    tag = ",".join(f"{k}={v}" for k, v in params.items())
+    d = root / slug / ("smoke" + (f"-{tag}" if tag else "")) / f"seed-{seed}"
+    d.mkdir(parents=True)
+    (d / "job.json").write_text(json.dumps({
+        "job": {"slug": slug, "params": params, "scale": "smoke", "seed": seed},
+        "status": status, "duration_s": 3.0, "error": error, "error_cell": error_cell}))
+    if status == "ok":
+        (d / "metrics.json").write_text(json.dumps({
+            "notebook": slug, "scale": "smoke", "seed": seed, "duration_s": 2.0,
+            "metrics": metrics, "claims": claims, "figures": []}))
+    return d
+
+
+def test_aggregate_is_long_with_mean_std_n_seeds(tmp_path):
+    c = lambda holds: [{"id": "C1", "text": "t", "holds": holds, "robust": True}]
+    for seed, (loss, holds) in enumerate([(1.0, True), (2.0, False), (4.0, True)]):
+        _job(tmp_path, "12-nfi", {"lr": 0.1}, seed, {"loss": loss, "name": "text"}, c(holds))
+    _job(tmp_path, "12-nfi", {"lr": 0.3}, 0, {"loss": 9.0}, c(True))
+    _job(tmp_path, "09-dormant", {}, 0, {"acc": 0.5, "ok": True}, [])
+    _job(tmp_path, "09-dormant", {}, 1, {}, [], status="failed", error="boom")
+    (tmp_path / "12-nfi/smoke-lr=0.1/.seed-9.partial").mkdir()    # staging: never read
+    (tmp_path / "12-nfi/smoke-lr=0.1/.seed-9.partial/metrics.json").write_text("{\"metr")
+    report.build(tmp_path, html=False)
+    agg = pd.read_csv(tmp_path / "aggregate.csv")
+    assert list(agg.columns) == ["notebook", "params", "metric", "mean", "std", "n", "seeds"]
+    key = agg.set_index(["notebook", "params", "metric"])
+    loss = key.loc[("12-nfi", "lr=0.1, scale=smoke", "loss")]
+    assert (loss["mean"], loss["n"], loss["seeds"]) == (pytest.approx(7 / 3), 3, "0,1,2")
+    assert loss["std"] == pytest.approx(pd.Series([1.0, 2.0, 4.0]).std())
+    assert key.loc[("12-nfi", "lr=0.1, scale=smoke", "claim:C1"), "mean"] == pytest.approx(2 / 3)
+    assert key.loc[("12-nfi", "lr=0.3, scale=smoke", "loss"), "std"] == 0.0
+    # one failed seed is not averaged in; text metrics are not numbers; a bool is
+    assert key.loc[("09-dormant", "scale=smoke", "acc"), "n"] == 1
+    assert key.loc[("09-dormant", "scale=smoke", "ok"), "mean"] == 1.0
+    assert "name" not in set(agg["metric"])
+    assert len(agg) == 2 + 2 + 2        # (loss, C1) x 2 grid points of 12, (acc, ok) of 09
+    wide = agg.pivot_table(index=["notebook", "params"], columns="metric", values="mean")
+    assert wide.loc[("12-nfi", "lr=0.3, scale=smoke"), "loss"] == 9.0
+    res = pd.read_csv(tmp_path / "results.csv")
+    assert len(res) == 6 and "seed-9" not in "".join(res.astype(str).sum())
+    # the HTML has one table per notebook, metrics down and grid points across
+    page = (tmp_path / "index.html").read_text()
+    nfi = page.split('id="12-nfi"')[1].split('<h2 id=')[0]
+    assert "<th>lr=0.1, scale=smoke</th><th>lr=0.3, scale=smoke</th>" in nfi
+    assert "2.333 ± 1.528 (3)" in nfi and "acc" not in nfi
+
+
+def test_every_string_from_a_notebook_is_escaped(tmp_path):
+    evil = "<script>alert(1)</script>"
+    _job(tmp_path, "12-nfi", {"label": "<b>bold</b>"}, 0, {"<i>m</i>": 1.0},
+         [{"id": "C1", "text": f"claim {evil}", "holds": True, "robust": False}])
+    _job(tmp_path, "12-nfi", {"label": "x"}, 1, {}, [], status="failed",
+         error="ValueError: <img src=x onerror=alert(2)>", error_cell=f"cell 3: {evil}")
+    page = report.build(tmp_path, html=False).read_text()
+    for raw in (evil, "<b>bold</b>", "<i>m</i>", "<img src=x"):
+        assert raw not in page
+    assert "claim &lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "&lt;b&gt;bold&lt;/b&gt;" in page and "&lt;img src=x onerror=alert(2)&gt;" in page
+
+
+def test_report_of_a_missing_directory_says_what_to_give(tmp_path):
+    with pytest.raises(FileNotFoundError, match="--out directory"):
+        report.build(tmp_path / "nothing")
