@@ -183,6 +183,7 @@ def quantize_model(model, hessians: dict, method: str, bits: int, group_size: in
     weights, info = {}, {}
     dev = next(model.parameters()).device
     gen = torch.Generator(device=dev).manual_seed(seed)
+    gvals = (levels(bits).float() if grid is None else grid).to(dev)   # the K level values
     for shape, names in by_shape(layers).items():
         W = torch.stack([layers[n].weight.detach().float() for n in names])
         Hs = torch.stack([hessians[n] for n in names])
@@ -204,7 +205,6 @@ def quantize_model(model, hessians: dict, method: str, bits: int, group_size: in
                           torch.stack([starts[n].scale for n in names]),
                           torch.stack([starts[n].zero for n in names]), bits, group_size)
         t1 = time.time()
-        gvals = (levels(bits).float() if grid is None else grid).to(dev)
         idx, scale, hist = gsq(W, Hs, batch, cfg, gen, gvals)
         secs = time.time() - t1
         for j, n in enumerate(names):
