@@ -195,7 +195,7 @@ def _build(base, model_scale, names, rank, lora_scale, size: PoolSize, out: Path
             base_own = sum(card["base_accuracy"][f] for f in fams) / len(fams)
             card["adapters"][name] = {
                 "families": list(fams), "accuracy": acc, "own_accuracy": round(own, 4),
-                "gain_over_base": round(own - base_own, 4), "final_loss": float(loss),
+                "gain_over_base": round(own - base_own, 4), "final_loss": float(loss.detach()),
                 "train_seconds": round(train_s, 1),
                 "seconds": round(time.time() - t0, 1)}
     finally:

@@ -134,8 +134,9 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
     Recipe("lm-qbed", "Llama, mostly prose (30% task text), the quantization-sensitive bed for "
            "paper 14", train_tasks=("add", "reverse", "kv", "count", "pattern"),
            task_fraction=0.3, easiest=None, **_V2),
-    Recipe("lm-micro", "A seconds-to-build Llama for tests of the zoo machinery",
-           train_tasks=("pattern", "kv"),
+    Recipe("lm-micro", "A seconds-to-build Llama for tests of the zoo machinery (loop v2, "
+           "card at every difficulty)", train_tasks=("pattern", "kv"), loop="v2",
+           eval_by_difficulty=True,
            smoke=Size(d_model=32, n_layers=1, n_heads=2, d_ff=64, ctx=32, vocab=300, steps=8,
                       batch=4, warmup=2, n_task_examples=50, eval_examples=4),
            full=Size(d_model=32, n_layers=1, n_heads=2, d_ff=64, ctx=32, vocab=300, steps=8,
