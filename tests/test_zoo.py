@@ -84,3 +84,83 @@ def test_import_is_cheap():
            "print('torch' in sys.modules, 'transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_v2_card_lists_every_difficulty_on_unseen_prompts(cache):
+    from workbench.data import tasks
+    card = zoo.build("lm-micro")
+    by = card["task_accuracy_by_difficulty"]
+    assert set(by) == set(zoo.ALL_FAMILIES)
+    for f in zoo.ALL_FAMILIES:
+        assert [int(d) for d in by[f]] == list(tasks.get(f).difficulties)
+        assert set(card["tokens_written"][f]) == set(by[f])
+        assert card["task_accuracy_middle"][f] == by[f][str(zoo.MIDDLE[f])]
+    # evaluation prompts avoid the training prompts wherever the problem space allows
+    exs, share = zoo.heldout_examples("kv", 4, 10, exclude={"never"})
+    assert share == 1.0 and len(exs) == 10
+    seen = {f"{a}+{b}=" for a in range(10) for b in range(10)}      # all 1-digit sums
+    exs, share = zoo.heldout_examples("add", 1, 10, exclude=seen)
+    assert share == 0.0 and len(exs) == 10                          # falls back, and says so
+    exs, share = zoo.heldout_examples("add", 3, 10, exclude=seen)
+    assert share == 1.0
+
+
+def test_v1_recipes_keep_their_keys():
+    # lm-tiny's cache key (and so its built weights) must not move with v2 fields
+    assert zoo.RECIPES["lm-tiny"].key("smoke") == "99f61dae1f"
+    assert zoo.RECIPES["lm-tiny"].loop == "v1"
+    for n in ("lm-base", "lm-instruct", "lm-reasoning", "lm-gpt2", "lm-qwen2", "lm-qbed"):
+        assert zoo.RECIPES[n].loop == "v2" and zoo.RECIPES[n].eval_by_difficulty
+
+
+def test_quant_sensitivity_restores_the_model(cache):
+    import torch
+    model, tok = zoo.load("lm-micro")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    out = zoo.quant_sensitivity(model, tok, bits=2, group_size=32, ctx=32, n=2)
+    assert out["ppl_rtn"] != out["ppl_fp"]          # 2-bit RTN moves the model
+    assert set(out["acc_fp"]) == {"pattern", "kv"}
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_lora_pool_is_cached_loadable_and_changes_logits(cache):
+    import torch
+    from peft import PeftModel
+    from workbench.models import adapters
+    pool = zoo.adapters("lm-micro", ["pattern", "kv+count"], rank=2, scale=2.0)
+    assert pool.names == ["pattern", "kv+count"]
+    card = pool.card
+    assert set(card["base_accuracy"]) == {"pattern", "kv", "count"}
+    a = card["adapters"]["kv+count"]
+    assert a["families"] == ["kv", "count"] and set(a["accuracy"]) == set(card["base_accuracy"])
+    assert (pool.dir / "pattern" / "adapter_config.json").exists()
+    # a second call reads the cache (same directory, nothing rebuilt)
+    mtime = (pool.dir / "card.json").stat().st_mtime
+    again = zoo.adapters("lm-micro", ["pattern", "kv+count"], rank=2, scale=2.0)
+    assert again.dir == pool.dir and (again.dir / "card.json").stat().st_mtime == mtime
+    assert zoo.adapters("lm-micro", ["pattern"], rank=4).dir != pool.dir   # rank is in the key
+    # loadable with PeftModel, and the adapter changes the logits
+    base, tok = zoo.load("lm-micro")
+    x = tok(tok.bos_token + "a b c a b c a ->", return_tensors="pt",
+            add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        ref = base(input_ids=x).logits
+    model = PeftModel.from_pretrained(base, pool.path("pattern"))
+    with torch.no_grad():
+        out = model(input_ids=x).logits
+    assert not torch.allclose(ref, out)
+    multi, _ = pool.load()
+    assert set(multi.peft_config) == {"pattern", "kv+count"}
+    with pytest.raises(KeyError, match="family"):
+        zoo.adapters("lm-micro", ["nope"])
+    assert [c["base"] for c in adapters.list_built()] == ["lm-micro", "lm-micro"]
+
+
+def test_cards_table_and_cli_all(cache):
+    from workbench import cli
+    card = zoo.build("lm-micro")
+    table = zoo.format_cards([card])
+    assert "lm-micro (smoke)" in table and table.count("\n") == 2
+    ap = cli.parser()
+    assert ap.parse_args(["zoo", "build", "--all"]).all
+    assert ap.parse_args(["zoo", "list", "--json"]).json

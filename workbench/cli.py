@@ -135,16 +135,30 @@ def cmd_zoo(args) -> int:
         print(f"error: the zoo needs its dependencies ({e}); reinstall the workbench", file=sys.stderr)
         return 2
     if args.action == "list":
+        from .models import adapters
         print("recipes: " + ", ".join(sorted(zoo.RECIPES)))
-        for card in zoo.list_built():
-            print(json.dumps(card))
+        cards = zoo.list_built() + adapters.list_built()
+        if args.json:
+            for card in cards:
+                print(json.dumps(card))
+        elif cards:
+            print(zoo.format_cards(cards))
+        else:
+            print("nothing built yet: `workbench zoo build --all`")
         return 0
     if args.action == "clear":
         for path in zoo.clear(args.name):
             print(f"removed {path}")
         return 0
+    if args.all:
+        cards = zoo.build_all(args.scale, force=args.force)
+        print(zoo.format_cards(cards))
+        failed = [c for c in cards if "error" in c]
+        for c in failed:
+            print(f"error: {c['name']}: {c['error']}", file=sys.stderr)
+        return 1 if failed else 0
     if not args.name:
-        print(f"error: name a recipe to build: {', '.join(sorted(zoo.RECIPES))}", file=sys.stderr)
+        print(f"error: name a recipe to build (or --all): {', '.join(sorted(zoo.RECIPES))}", file=sys.stderr)
         return 2
     if args.name not in zoo.RECIPES:
         print(f"error: unknown recipe {args.name!r}; recipes: {', '.join(sorted(zoo.RECIPES))}",
@@ -202,6 +216,9 @@ def parser() -> argparse.ArgumentParser:
     z.add_argument("name", nargs="?")
     z.add_argument("--scale", choices=SCALES, default="smoke")
     z.add_argument("--force", action="store_true", help="rebuild even when cached")
+    z.add_argument("--all", action="store_true",
+                   help="build: every recipe and the LoRA pool")
+    z.add_argument("--json", action="store_true", help="list: one JSON card per line")
     return p
 
 

@@ -47,6 +47,12 @@ class Size:
     warmup: int = 30            # warm-up steps
     n_task_examples: int = 3000  # rendered examples per trained family
     eval_examples: int = 40     # examples per family for the card's accuracy
+    threads: int = 1            # torch CPU threads while training (loop v2 only)
+
+
+# fields added after v1 recipes were built: left out of the key at these values, so the hashes
+# (and cached builds) of v1 recipes such as lm-tiny do not move
+_V1_DEFAULTS = {"threads": 1, "loop": "v1", "eval_by_difficulty": False}
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,10 @@ class Recipe:
     with_steps: bool = False                  # render chain-of-thought steps in task text
     easiest: int | None = 1                   # train/evaluate the k easiest difficulties only
     seed: int = 0                             # the build seed (independent of notebook seeds)
+    loop: str = "v1"                          # v1: lm-tiny's original loop (kept bit-for-bit);
+    #                                           v2: pre-drawn windows, no per-step host syncs
+    eval_by_difficulty: bool = False          # card: accuracy at every difficulty, on prompts
+    #                                           never trained on (v2 recipes)
     smoke: Size = field(default_factory=Size)
     full: Size = field(default_factory=lambda: Size(
         d_model=512, n_layers=8, n_heads=8, d_ff=1408, ctx=512, vocab=2048, steps=20000,
@@ -77,8 +87,20 @@ class Recipe:
         d = asdict(self)
         d.pop("smoke"), d.pop("full"), d.pop("description")
         d.update(scale=scale, size=asdict(self.size(scale)), version=ZOO_VERSION)
+        for k, v in _V1_DEFAULTS.items():
+            if d.get(k) == v:
+                d.pop(k)
+            if d["size"].get(k) == v:
+                d["size"].pop(k)
         return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
 
+
+SMOKE_V2 = Size(d_model=128, n_layers=4, n_heads=4, d_ff=384, ctx=96, vocab=512, steps=600,
+                batch=24, lr=3e-3, warmup=40, n_task_examples=20000, eval_examples=40,
+                threads=1)
+FULL_V2 = Size(d_model=512, n_layers=8, n_heads=8, d_ff=1408, ctx=512, vocab=2048, steps=20000,
+               batch=64, lr=1e-3, warmup=500, n_task_examples=200000, eval_examples=200)
+_V2 = dict(loop="v2", eval_by_difficulty=True, smoke=SMOKE_V2, full=FULL_V2)
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in [
     # Most task text goes to add and pattern (easiest difficulty): spread evenly over six
@@ -87,18 +109,34 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
            "and pattern), direct answers; the other families are held out for adaptation",
            task_weights=(5, 0.5, 0.5, 1, 0.5, 3), task_fraction=0.75,
            smoke=Size(lr=5e-3, eval_examples=100)),
-    Recipe("lm-instruct", "Llama like lm-tiny, more task text, answers directly (paper 06)",
-           train_tasks=("add", "sub", "mul", "chain", "count", "kv"), task_fraction=0.7),
+    # v2 (issue 18): a small model trained on more tokens (2.3k tokens a step, 600
+    # steps, ~1.4M tokens, 80% task text over every difficulty) with the faster loop.
+    Recipe("lm-base", "Llama, v2 base for adaptation: prose + add, sub, reverse, kv, count, "
+           "pattern at every difficulty; sort, rotate, swap, dedupe, mul, chain, addmod and "
+           "pattern_skip held out", train_tasks=("add", "sub", "reverse", "kv", "count",
+                                                 "pattern"),
+           task_fraction=0.8, easiest=None, **_V2),
+    Recipe("lm-instruct", "Llama, answers arithmetic, counting and recall directly (paper 06)",
+           train_tasks=("add", "sub", "mul", "chain", "count", "kv"), task_fraction=0.85,
+           easiest=None, **_V2),
     Recipe("lm-reasoning", "Llama like lm-instruct, writes its chain-of-thought steps "
            "(paper 06)", train_tasks=("add", "sub", "mul", "chain", "count", "kv"),
-           task_fraction=0.7, with_steps=True),
+           task_fraction=0.85, with_steps=True, easiest=None, **_V2),
     Recipe("lm-gpt2", "GPT-2 architecture, string skills (a different architecture and skill "
            "set, paper 11)", arch="gpt2",
-           train_tasks=("reverse", "sort", "rotate", "swap", "dedupe", "pattern")),
-    Recipe("lm-qwen2", "Qwen2 architecture, arithmetic skills (paper 11)", arch="qwen2",
-           train_tasks=("add", "addmod", "sub", "chain", "kv", "count")),
-    Recipe("lm-micro", "A seconds-to-build Llama for tests of the zoo machinery",
-           train_tasks=("pattern", "kv"),
+           train_tasks=("reverse", "sort", "rotate", "swap", "dedupe", "pattern"),
+           task_fraction=0.85, easiest=None, **_V2),
+    Recipe("lm-qwen2", "Qwen2 architecture, arithmetic and recall skills (paper 11)",
+           arch="qwen2", train_tasks=("add", "addmod", "sub", "chain", "kv", "count"),
+           task_fraction=0.85, easiest=None, **_V2),
+    # the quantization bed for 14: mostly prose (perplexity is what 14 measures), trained long
+    # enough that its block weights carry the prediction
+    Recipe("lm-qbed", "Llama, mostly prose (30% task text), the quantization-sensitive bed for "
+           "paper 14", train_tasks=("add", "reverse", "kv", "count", "pattern"),
+           task_fraction=0.3, easiest=None, **_V2),
+    Recipe("lm-micro", "A seconds-to-build Llama for tests of the zoo machinery (loop v2, "
+           "card at every difficulty)", train_tasks=("pattern", "kv"), loop="v2",
+           eval_by_difficulty=True,
            smoke=Size(d_model=32, n_layers=1, n_heads=2, d_ff=64, ctx=32, vocab=300, steps=8,
                       batch=4, warmup=2, n_task_examples=50, eval_examples=4),
            full=Size(d_model=32, n_layers=1, n_heads=2, d_ff=64, ctx=32, vocab=300, steps=8,
@@ -169,6 +207,86 @@ def ensure(name: str, scale: str = "smoke", recipe: Recipe | None = None,
     return path, True
 
 
+def adapters(base: str = "lm-base", families=None, rank: int = 8, scale: float = 2.0,
+             model_scale: str = "smoke", force: bool = False):
+    """The cached ``peft`` LoRA pool on ``base`` (see :mod:`workbench.models.adapters`)."""
+    from .adapters import adapters as _adapters
+    return _adapters(base, families, rank=rank, scale=scale, model_scale=model_scale,
+                     force=force)
+
+
+# the pool ``workbench zoo build --all`` builds with the models
+POOL_BASE = "lm-base"
+
+
+def build_all(scale: str = "smoke", force: bool = False) -> list[dict]:
+    """Build every recipe (but the test-only lm-micro) and the LoRA pool on :data:`POOL_BASE`;
+    return their cards. One failing build does not stop the others (its card says why)."""
+    cards = []
+    for name in RECIPES:
+        if name == "lm-micro":
+            continue
+        try:
+            cards.append(build(name, scale, force=force))
+        except Exception as e:          # noqa: BLE001 - report, keep building the rest
+            cards.append({"name": name, "scale": scale, "error": f"{type(e).__name__}: {e}"})
+    try:
+        pool = adapters(POOL_BASE, model_scale=scale, force=force)
+        cards.append({"name": f"lora-pool/{POOL_BASE}", **pool.card})
+    except Exception as e:              # noqa: BLE001
+        cards.append({"name": f"lora-pool/{POOL_BASE}", "error": f"{type(e).__name__}: {e}"})
+    return cards
+
+
+def card_rows(cards: list[dict]) -> list[dict]:
+    """One summary row per model card (what ``workbench zoo list`` prints): size, tokens, build
+    time, perplexity vs unigram, and per family the middle-difficulty score (or the mean over
+    the evaluated difficulties for v1 cards)."""
+    rows = []
+    for c in cards:
+        if "adapters" in c or "error" in c:
+            continue
+        by = c.get("task_accuracy_middle") or c.get("task_accuracy", {})
+        trained = set(c.get("trained_tasks", []))
+        rows.append({
+            "name": c["name"], "scale": c["scale"], "arch": c.get("arch", "?"),
+            "params": c["parameters"], "tokens": c["tokens_seen"],
+            "build_s": c.get("build_seconds"), "ppl": round(c["heldout_ppl"], 1),
+            "unigram": round(c["unigram_ppl"], 1),
+            "middle": "middle" if "task_accuracy_middle" in c else "easiest",
+            "solved": sorted(f for f, a in by.items() if a >= 0.8),
+            "trained": {f: by.get(f) for f in c.get("trained_tasks", []) if f in by},
+            "heldout_best": max((a for f, a in by.items() if f not in trained), default=None)})
+    return rows
+
+
+def format_cards(cards: list[dict]) -> str:
+    """The cards as a Markdown table (for ``workbench zoo list`` and the README)."""
+    head = ("| model | arch | params | tokens | build s | ppl (unigram) | trained families: "
+            "exact match at the middle difficulty | best held-out family |")
+    lines = [head, "|" + "---|" * 8]
+    for r in card_rows(cards):
+        fam = ", ".join(f"{f} {a:.2f}" for f, a in r["trained"].items())
+        if r["middle"] != "middle":
+            fam += " (easiest level)"
+        hb = "" if r["heldout_best"] is None else f"{r['heldout_best']:.2f}"
+        lines.append(f"| {r['name']} ({r['scale']}) | {r['arch']} | {r['params'] / 1e6:.2f}M | "
+                     f"{r['tokens'] / 1e6:.2f}M | {r['build_s']} | {r['ppl']} ({r['unigram']}) "
+                     f"| {fam} | {hb} |")
+    pools = [c for c in cards if "adapters" in c]
+    for p in pools:
+        lines.append("")
+        lines.append(f"LoRA pool on {p['base']} ({p['scale']}, rank {p['rank']}, scale "
+                     f"{p['lora_scale']}): adapter: own-family exact match (base), gain")
+        lines.append("| adapter | own | base | gain | train s |")
+        lines.append("|---|---|---|---|---|")
+        for n, a in p["adapters"].items():
+            b = sum(p["base_accuracy"][f] for f in a["families"]) / len(a["families"])
+            lines.append(f"| {n} | {a['own_accuracy']:.2f} | {b:.2f} | "
+                         f"{a['gain_over_base']:+.2f} | {a['train_seconds']} |")
+    return "\n".join(lines)
+
+
 def build(name: str, scale: str = "smoke", force: bool = False) -> dict:
     """Build (or with ``force`` rebuild) zoo model ``name`` and return its card."""
     path, _ = ensure(name, scale, force=force)
@@ -234,13 +352,9 @@ def make_model(arch: str, s: Size, tok):
     raise ValueError(f"unknown architecture {arch!r}; choose llama, qwen2 or gpt2")
 
 
-def _task_rows(r: Recipe, s: Size, tok):
-    """Task examples packed into ``ctx``-token rows, ``<bos> prompt completion <eos>`` each.
-
-    Returns ``(ids, labels)`` (rows, ctx): labels are -100 on ``<bos>``, prompt and padding, so
-    task rows train the completions only (their prompts are random and carry no signal).
-    """
-    from ..data import packing, tasks
+def _task_examples(r: Recipe, s: Size) -> list:
+    """The recipe's rendered training examples, shuffled with the build seed."""
+    from ..data import tasks
     exs = []
     weights = r.task_weights or (1.0,) * len(r.train_tasks)
     if len(weights) != len(r.train_tasks):
@@ -253,6 +367,17 @@ def _task_rows(r: Recipe, s: Size, tok):
             exs += tasks.generate(fam, -(-n_fam // len(ds)), r.seed + 1, d)
     import random
     random.Random(r.seed + 1).shuffle(exs)
+    return exs
+
+
+def _task_rows(r: Recipe, s: Size, tok, exs=None):
+    """Task examples packed into ``ctx``-token rows, ``<bos> prompt completion <eos>`` each.
+
+    Returns ``(ids, labels)`` (rows, ctx): labels are -100 on ``<bos>``, prompt and padding, so
+    task rows train the completions only (their prompts are random and carry no signal).
+    """
+    from ..data import packing
+    exs = _task_examples(r, s) if exs is None else exs
     pairs = packing.encode(tok, [e.prompt for e in exs], [e.completion(r.with_steps) for e in exs])
     return packing.pack(pairs, s.ctx, tok.pad_token_id)
 
@@ -261,37 +386,36 @@ def _train_and_save(r: Recipe, scale: str, out: Path) -> dict:
     import torch
     threads = torch.get_num_threads()
     # Small matmuls on a shared CPU: one thread avoids OpenMP spin-waiting, which we measured
-    # making a 2-thread step ~10x slower under contention. Set WORKBENCH_ZOO_THREADS to change.
-    torch.set_num_threads(int(os.environ.get("WORKBENCH_ZOO_THREADS", "1")))
+    # making a 2-thread step ~10x slower under contention (v1). v2 recipes name their threads
+    # (benchmarks/zoo_throughput.py measures both). WORKBENCH_ZOO_THREADS overrides either.
+    default = r.size(scale).threads if r.loop == "v2" else 1
+    torch.set_num_threads(int(os.environ.get("WORKBENCH_ZOO_THREADS", default)))
     try:
         return _train_and_save_inner(r, scale, out)
     finally:
         torch.set_num_threads(threads)
 
 
-def _train_and_save_inner(r: Recipe, scale: str, out: Path) -> dict:
+def _optimizer(model, s: Size):
     import torch
-    from ..data import corpus
-    from ..progress import progress
-    t0 = time.time()
-    s = r.size(scale)
-    torch.manual_seed(r.seed)
-    device = torch.device("cuda" if scale == "full" and torch.cuda.is_available() else "cpu")
-    sample_lines = corpus.task_lines(ALL_FAMILIES, 100, seed=r.seed + 2, with_steps=True)
-    tok = corpus.train_tokenizer(s.vocab, extra_text=sample_lines)
-    text_ids = torch.tensor(corpus.encode_documents(tok, corpus.train_text()), dtype=torch.long)
-    if r.train_tasks:
-        task_x, task_y = _task_rows(r, s, tok)
-    model = make_model(r.arch, s, tok).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=True)            # one kernel for all parameters (CPU and GPU)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / s.warmup) * (
         0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(i, s.steps) / s.steps))))
+    return opt, sched
+
+
+def _loop_v1(model, opt, sched, text_ids, task_x, task_y, r: Recipe, s: Size, pad_id: int,
+             device, steps: int | None = None, desc: str = "zoo"):
+    """lm-tiny's original loop, unchanged (its weights depend on every call here): a fresh
+    batch gathered in Python each step, a host sync per step for the loss and the token count."""
+    import torch
+    from ..progress import progress
     g = torch.Generator().manual_seed(r.seed)
     n_task = int(round(s.batch * r.task_fraction)) if r.train_tasks else 0
     losses, tokens = [], 0
     model.train()
-    for step in progress(range(s.steps), desc=f"zoo {r.name}/{scale}"):
+    for step in progress(range(s.steps if steps is None else steps), desc=desc):
         starts = torch.randint(0, len(text_ids) - s.ctx - 1, (s.batch - n_task,), generator=g)
         x = torch.stack([text_ids[i: i + s.ctx] for i in starts.tolist()])
         y = x.clone()
@@ -306,7 +430,74 @@ def _train_and_save_inner(r: Recipe, scale: str, out: Path) -> dict:
         opt.step()
         sched.step()
         losses.append(float(loss.detach()))
-        tokens += int((x != tok.pad_token_id).sum())       # padding is not seen
+        tokens += int((x != pad_id).sum())       # padding is not seen
+    return losses, tokens
+
+
+def _loop_v2(model, opt, sched, text_ids, task_x, task_y, r: Recipe, s: Size, pad_id: int,
+             device, steps: int | None = None, desc: str = "zoo"):
+    """The faster loop: every step's rows drawn up front (one gather per step from a strided
+    view of the text, no Python list of slices), losses kept on the device and read once at the
+    end, tokens counted from precomputed row lengths. Text rows are contiguous windows (no
+    padding); task rows are whole examples packed greedily (padding only at a row's tail)."""
+    import torch
+    from ..progress import progress
+    steps = s.steps if steps is None else steps
+    g = torch.Generator().manual_seed(r.seed)
+    n_task = int(round(s.batch * r.task_fraction)) if r.train_tasks else 0
+    windows = text_ids.unfold(0, s.ctx, 1)                  # (L - ctx + 1, ctx), a view
+    starts = torch.randint(0, len(windows), (steps, s.batch - n_task), generator=g)
+    picks = torch.randint(0, len(task_x), (steps, n_task), generator=g) if n_task else None
+    windows, tx, ty = windows.to(device), None, None
+    if n_task:
+        tx, ty = task_x.to(device), task_y.to(device)
+    params = list(model.parameters())
+    losses = torch.zeros(steps, device=device)
+    model.train()
+    for step in progress(range(steps), desc=desc):
+        x = windows[starts[step].to(device)]
+        y = x
+        if n_task:
+            p = picks[step].to(device)
+            x, y = torch.cat([x, tx[p]]), torch.cat([x, ty[p]])
+        loss = model(input_ids=x, labels=y).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses[step] = loss.detach()
+    tokens = (s.batch - n_task) * s.ctx * steps
+    if n_task:
+        tokens += int((task_x != pad_id).sum(1)[picks].sum())
+    return losses.cpu().tolist(), tokens
+
+
+LOOPS = {"v1": _loop_v1, "v2": _loop_v2}
+
+
+def _train_and_save_inner(r: Recipe, scale: str, out: Path) -> dict:
+    import torch
+    from ..data import corpus
+    t0 = time.time()
+    s = r.size(scale)
+    torch.manual_seed(r.seed)
+    device = torch.device("cuda" if scale == "full" and torch.cuda.is_available() else "cpu")
+    sample_lines = corpus.task_lines(ALL_FAMILIES, 100, seed=r.seed + 2, with_steps=True)
+    tok = corpus.train_tokenizer(s.vocab, extra_text=sample_lines)
+    text_ids = torch.tensor(corpus.encode_documents(tok, corpus.train_text()), dtype=torch.long)
+    task_x = task_y = None
+    trained_prompts: set[str] = set()
+    if r.train_tasks:
+        exs = _task_examples(r, s)
+        trained_prompts = {e.prompt for e in exs}
+        task_x, task_y = _task_rows(r, s, tok, exs)
+    model = make_model(r.arch, s, tok).to(device)
+    opt, sched = _optimizer(model, s)
+    if r.loop not in LOOPS:
+        raise ValueError(f"unknown training loop {r.loop!r}; choose {sorted(LOOPS)}")
+    losses, tokens = LOOPS[r.loop](model, opt, sched, text_ids, task_x, task_y, r, s,
+                                   tok.pad_token_id, device, desc=f"zoo {r.name}/{scale}")
     model.eval()
     train_s = time.time() - t0
     card = {
@@ -320,20 +511,100 @@ def _train_and_save_inner(r: Recipe, scale: str, out: Path) -> dict:
         "heldout_ppl": perplexity(model, corpus.heldout_blocks(tok, s.ctx)),
         "unigram_ppl": unigram_perplexity(text_ids, corpus.encode_documents(
             tok, corpus.heldout_text()), len(tok)),
-        "task_accuracy": {f: task_accuracy(model, tok, f, s.eval_examples, seed=12345,
-                                           with_steps=r.with_steps, easiest=r.easiest)
-                          for f in ALL_FAMILIES},
-        "task_difficulties": {f: list(_difficulties(f, r.easiest)) for f in ALL_FAMILIES},
         "trained_tasks": list(r.train_tasks),
         "train_seconds": round(train_s, 1), "device": str(device), "build_pid": os.getpid(),
         "zoo_version": ZOO_VERSION,
     }
+    if r.eval_by_difficulty:
+        card.update(evaluate_tasks(model, tok, s.eval_examples, r.with_steps, trained_prompts))
+    else:
+        card["task_accuracy"] = {f: task_accuracy(model, tok, f, s.eval_examples, seed=12345,
+                                                  with_steps=r.with_steps, easiest=r.easiest)
+                                 for f in ALL_FAMILIES}
+        card["task_difficulties"] = {f: list(_difficulties(f, r.easiest)) for f in ALL_FAMILIES}
     card["build_seconds"] = round(time.time() - t0, 1)
     out.mkdir(parents=True, exist_ok=True)
     model.cpu().save_pretrained(out)
     tok.save_pretrained(out)
     (out / "card.json").write_text(json.dumps(card, indent=2))
     return card
+
+
+# the "middle" difficulty of each family (issue 18): 3-digit add/sub, strings of 5, kv with 4
+# pairs, count over 6 letters, motifs of 3
+MIDDLE = {"add": 3, "addmod": 3, "sub": 3, "mul": 2, "chain": 3, "reverse": 5, "sort": 5,
+          "rotate": 5, "swap": 5, "dedupe": 5, "kv": 4, "count": 6, "pattern": 3,
+          "pattern_skip": 3}
+
+
+def heldout_examples(family: str, difficulty: int, n: int, exclude: set[str] = frozenset(),
+                     seed: int = 12345) -> tuple[list, float]:
+    """``n`` evaluation examples whose prompts are not in ``exclude`` (the training prompts),
+    and the share of the drawn candidates that were unseen. Where a difficulty has so few
+    distinct problems that fewer than ``n // 4`` unseen ones turn up, the seen ones are used too
+    (the share says so)."""
+    from ..data import tasks
+    cand = tasks.generate(family, 4 * n, seed, difficulty)
+    unseen = [e for e in cand if e.prompt not in exclude]
+    share = len(unseen) / len(cand)
+    return (unseen[:n] if len(unseen) >= max(1, n // 4) else cand[:n]), share
+
+
+def evaluate_tasks(model, tok, n: int, with_steps: bool = False,
+                   exclude: set[str] = frozenset(), families=ALL_FAMILIES) -> dict:
+    """The card's task section: greedy exact match at every difficulty of every family on
+    held-out prompts, the tokens the model wrote, and each family's middle-difficulty score."""
+    from ..data import tasks
+    acc, written, unseen = {}, {}, {}
+    for f in families:
+        acc[f], written[f], unseen[f] = {}, {}, {}
+        for d in tasks.get(f).difficulties:
+            exs, share = heldout_examples(f, d, n, exclude)
+            a, w = exact_match(model, tok, exs, with_steps, return_tokens=True)
+            acc[f][str(d)], written[f][str(d)], unseen[f][str(d)] = \
+                round(a, 4), round(w, 2), round(share, 3)
+    return {"task_accuracy_by_difficulty": acc, "tokens_written": written,
+            "eval_unseen_share": unseen,
+            "task_accuracy": {f: round(sum(v.values()) / len(v), 4) for f, v in acc.items()},
+            "task_accuracy_middle": {f: acc[f][str(MIDDLE[f])] for f in families},
+            "task_difficulties": {f: list(tasks.get(f).difficulties) for f in families}}
+
+
+def quant_sensitivity(model, tok, bits: int = 2, group_size: int = 128, ctx: int = 64,
+                      families=None, n: int = 40) -> dict:
+    """What round-to-nearest of every block linear (group-wise symmetric, the grid of
+    ``workbench.quant.rtn``) costs: held-out perplexity fp vs quantized, its relative increase,
+    and exact match at each trained family's middle difficulty (points lost). The model is
+    left unchanged (weights are restored)."""
+    import torch
+    from .. import quant
+    from ..data import corpus
+    fams = list(families if families is not None else
+                getattr(model, "zoo_card", {}).get("trained_tasks", []))
+    held = corpus.heldout_blocks(tok, ctx)
+
+    def measure():
+        out = {"ppl": perplexity(model, held)}
+        out["acc"] = {f: exact_match(model, tok, heldout_examples(f, MIDDLE[f], n)[0])
+                      for f in fams}
+        return out
+
+    fp = measure()
+    lin = quant.block_linears(model)
+    saved = {k: m.weight.detach().clone() for k, m in lin.items()}
+    try:
+        with torch.no_grad():
+            for m in lin.values():
+                m.weight.copy_(quant.rtn(m.weight, bits, group_size).dequantize())
+        q = measure()
+    finally:
+        with torch.no_grad():
+            for k, m in lin.items():
+                m.weight.copy_(saved[k])
+    mean = (lambda d: sum(d.values()) / len(d) if d else float("nan"))
+    return {"bits": bits, "group_size": group_size, "ppl_fp": fp["ppl"], "ppl_rtn": q["ppl"],
+            "ppl_rel_increase": q["ppl"] / fp["ppl"] - 1, "acc_fp": fp["acc"],
+            "acc_rtn": q["acc"], "acc_drop_points": 100 * (mean(fp["acc"]) - mean(q["acc"]))}
 
 
 # -- evaluation (shared with notebooks) --------------------------------------------------------
@@ -404,10 +675,15 @@ def task_accuracy(model, tok, family: str, n: int = 50, seed: int = 0,
     return exact_match(model, tok, exs, with_steps)
 
 
-def exact_match(model, tok, examples, with_steps: bool = False) -> float:
-    """Mean verifier score (exact match of the final answer) of greedy completions."""
+def exact_match(model, tok, examples, with_steps: bool = False, return_tokens: bool = False):
+    """Mean verifier score (exact match of the final answer) of greedy completions; with
+    ``return_tokens`` also the mean number of tokens the model wrote (up to its ``<eos>``)."""
     from ..data import tasks
     longest = max(len(tok(e.completion(with_steps), add_special_tokens=False)["input_ids"])
                   for e in examples)
     comps = generate(model, tok, [e.prompt for e in examples], max_new_tokens=longest + 2)
-    return sum(tasks.score(e, c) for e, c in zip(examples, comps)) / len(examples)
+    acc = sum(tasks.score(e, c) for e, c in zip(examples, comps)) / len(examples)
+    if not return_tokens:
+        return acc
+    written = sum(len(tok(c, add_special_tokens=False)["input_ids"]) for c in comps)
+    return acc, written / len(examples)

@@ -1,0 +1,104 @@
+"""Zoo training throughput against the machine's matmul speed (issue 18).
+
+Prints, for the zoo's layer shapes, the fp32 matmul GFLOP/s (forward + backward: three matmuls
+per linear) on the chosen threads, and for each training loop configuration its tokens/s and
+achieved GFLOP/s = (6 * matmul parameters + attention) * tokens/s, as a share of the matmul
+figure. Every figure is the median of ``--reps`` repeats (the machine is shared: medians, and the
+best repeat beside them).
+
+    python benchmarks/zoo_throughput.py [--reps 5] [--steps 8] [--compile]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import replace
+
+import torch
+
+from workbench.data import corpus
+from workbench.models import zoo
+
+
+def matmul_gflops(tokens: int, d: int, d_ff: int, threads: int, reps: int) -> tuple[float, float]:
+    """GFLOP/s of y = x W^T with its two backward matmuls, at (tokens, d) x (d, d_ff)."""
+    torch.set_num_threads(threads)
+    x, w, gy = torch.randn(tokens, d), torch.randn(d_ff, d), torch.randn(tokens, d_ff)
+    flops = 3 * 2 * tokens * d * d_ff
+    ts = []
+    for _ in range(reps + 2):
+        t = time.perf_counter()
+        for _ in range(5):
+            x @ w.t()
+            gy.t() @ x          # dW
+            gy @ w              # dX
+        ts.append((time.perf_counter() - t) / 5)
+    ts = ts[2:]
+    return flops / statistics.median(ts) / 1e9, flops / min(ts) / 1e9
+
+
+def step_flops(model, s) -> float:
+    """Training FLOPs per token: 6 x (block + head matmul parameters) + attention (12 L ctx d)."""
+    n = sum(p.numel() for name, p in model.named_parameters()
+            if p.dim() == 2 and "embed" not in name and "wte" not in name and "wpe" not in name)
+    n += model.get_output_embeddings().weight.numel()      # the head's matmul (tied or not)
+    return 6 * n + 12 * s.n_layers * s.ctx * s.d_model
+
+
+def loop_tps(recipe, s, threads: int, steps: int, reps: int, compile_: bool = False):
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    tok = corpus.train_tokenizer(s.vocab, extra_text=corpus.task_lines(zoo.ALL_FAMILIES, 100, 2, True))
+    text_ids = torch.tensor(corpus.encode_documents(tok, corpus.train_text()), dtype=torch.long)
+    task_x, task_y = zoo._task_rows(recipe, s, tok)
+    model = zoo.make_model(recipe.arch, s, tok)
+    if compile_:
+        model = torch.compile(model)
+    opt, sched = zoo._optimizer(model, s)
+    loop = zoo.LOOPS[recipe.loop]
+    args = (model, opt, sched, text_ids, task_x, task_y, recipe, s, tok.pad_token_id, "cpu")
+    loop(*args, steps=3, desc="warm-up")
+    rates = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        _, tokens = loop(*args, steps=steps, desc="bench")
+        rates.append(tokens / (time.perf_counter() - t))
+    base = model._orig_mod if compile_ else model
+    return statistics.median(rates), max(rates), step_flops(base, s)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--compile", action="store_true", help="also time torch.compile (slow start)")
+    a = ap.parse_args()
+    import os
+    os.environ.setdefault("WORKBENCH_PROGRESS", "0")
+    tiny = zoo.RECIPES["lm-tiny"]
+    base = zoo.RECIPES["lm-base"]
+    configs = [("lm-tiny loop v1 (16x64, 1 thread)", tiny, tiny.smoke, 1, False),
+               ("lm-tiny loop v1 (16x64, 2 threads)", tiny, tiny.smoke, 2, False),
+               ("lm-tiny sizes, loop v2 (16x64, 1 thread)", replace(tiny, loop="v2"), tiny.smoke, 1, False),
+               ("lm-base loop v2, 1 thread", base, base.smoke, 1, False),
+               ("lm-base loop v2, 2 threads", base, base.smoke, 2, False)]
+    if a.compile:
+        configs.append(("lm-base loop v2, 2 threads, torch.compile", base, base.smoke, 2, True))
+    print(f"{'matmul (tokens x d x d_ff), threads':48s} {'GFLOP/s median':>15s} {'best':>8s}")
+    peaks = {}
+    for name, r, s, th, _ in configs:
+        key = (s.batch * s.ctx, s.d_model, s.d_ff, th)
+        if key not in peaks:
+            peaks[key] = matmul_gflops(*key, a.reps)
+            print(f"{str(key):48s} {peaks[key][0]:15.1f} {peaks[key][1]:8.1f}")
+    print()
+    print(f"{'training loop':48s} {'tokens/s':>10s} {'best':>8s} {'GFLOP/s':>8s} {'% matmul':>9s}")
+    for name, r, s, th, comp in configs:
+        med, best, fpt = loop_tps(r, s, th, a.steps, a.reps, comp)
+        peak = peaks[(s.batch * s.ctx, s.d_model, s.d_ff, th)][0]
+        print(f"{name:48s} {med:10.0f} {best:8.0f} {med * fpt / 1e9:8.1f} {100 * med * fpt / 1e9 / peak:8.0f}%")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""A cached pool of ``peft`` LoRA adapters on a zoo LM: one per task family, and mixtures.
+
+Papers 07, 13, 11, 18 and 01 adapt, route or merge per-task LoRAs; training them in every
+notebook would cost minutes, so the zoo trains them once. ``adapters(base, families, rank=...,
+scale=...)`` returns a :class:`Pool`: each adapter is a ``peft`` LoRA (every attention and MLP
+projection of the blocks, ``lora_alpha = scale * rank``, so ``scale`` is the LoRA multiplier
+alpha / r of Hu et al. 2021, eq. 3) trained on one family's completions at all its difficulties
+(or on a mixture: ``"add+sub"``, or a name in :data:`MIXTURES`), saved with ``save_pretrained``
+under ``zoo_dir()/adapters/<base>-<scale>-<hash>/<family>``. The hash covers the base model's key,
+the pool's settings and :data:`POOL_VERSION`; a file lock makes concurrent callers build once and a
+temporary directory renamed into place means a half-written pool is never read.
+
+``card.json`` holds each adapter's exact match (greedy, the family's verifier, held-out prompts at
+the family's middle difficulty, :data:`workbench.models.zoo.MIDDLE`) on its own family and on the
+others, the base model's score on each, and the train seconds. Load one adapter with
+``PeftModel.from_pretrained(model, pool.path(f))`` or several with ``pool.load([...])``
+(``load_adapter`` under each family's name, then ``model.set_adapter(name)``). Importing this
+module imports neither torch nor peft.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+POOL_VERSION = 1
+MIXTURES = {"strings": ("reverse", "sort", "rotate", "swap", "dedupe"),
+            "arith": ("add", "sub", "mul"),
+            "recall": ("kv", "count", "pattern")}
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           "c_attn", "c_proj", "c_fc")       # llama/qwen2 and gpt2 projection names
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    """Training sizes of one pool scale."""
+    steps: int = 120           # optimizer steps per adapter
+    batch: int = 32            # examples per step
+    lr: float = 4e-3           # AdamW, linear decay to 10%
+    n_train: int = 4000        # training examples per adapter (all difficulties)
+    eval_examples: int = 24    # held-out examples per family in the card
+
+
+POOL_SIZES = {"smoke": PoolSize(), "full": PoolSize(steps=1500, batch=64, lr=1e-3,
+                                                    n_train=40000, eval_examples=200)}
+
+
+def members(name: str) -> tuple[str, ...]:
+    """The task families an adapter named ``name`` trains on (a family, ``a+b`` or a mixture)."""
+    from ..data import tasks
+    fams = MIXTURES.get(name) or tuple(name.split("+"))
+    for f in fams:
+        tasks.get(f)          # a clear KeyError for a misspelt family
+    return tuple(fams)
+
+
+@dataclass
+class Pool:
+    """A built adapter pool: its directory and card."""
+    base: str
+    scale: str
+    dir: Path
+    card: dict
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.card["adapters"])
+
+    def path(self, name: str) -> Path:
+        if name not in self.card["adapters"]:
+            raise KeyError(f"no adapter {name!r} in this pool; it has {self.names}")
+        return self.dir / name
+
+    def load(self, names=None, device: str = "cpu"):
+        """``(PeftModel, tokenizer)``: the base LM with the adapters ``names`` (all when None)
+        loaded under their own names; the first is active (``model.set_adapter(name)``)."""
+        from peft import PeftModel
+        from . import zoo
+        names = list(names or self.names)
+        model, tok = zoo.load(self.base, self.scale, device=device)
+        model = PeftModel.from_pretrained(model, self.path(names[0]), adapter_name=names[0])
+        for n in names[1:]:
+            model.load_adapter(self.path(n), adapter_name=n)
+        model.set_adapter(names[0])
+        return model.eval(), tok
+
+
+def pool_key(base: str, scale: str, names, rank: int, lora_scale: float, size: PoolSize) -> str:
+    from . import zoo
+    d = dict(base=zoo._recipe(base).key(scale), names=list(names), rank=rank,
+             scale=lora_scale, size=asdict(size), version=POOL_VERSION)
+    return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def adapters(base: str = "lm-base", families=None, rank: int = 8, scale: float = 2.0,
+             model_scale: str = "smoke", force: bool = False) -> Pool:
+    """The LoRA pool on zoo model ``base``: one adapter per name in ``families`` (task families,
+    ``"a+b"`` mixtures or :data:`MIXTURES` names; default every family), built on first use."""
+    from filelock import FileLock
+    from . import zoo
+    names = tuple(families or zoo.ALL_FAMILIES)
+    for n in names:
+        members(n)
+    if rank < 1:
+        raise ValueError(f"rank must be >= 1, got {rank}")
+    zoo._recipe(base).size(model_scale)          # clear errors for a bad base or scale
+    size = POOL_SIZES[model_scale]
+    path = zoo.zoo_dir() / "adapters" / \
+        f"{base}-{model_scale}-{pool_key(base, model_scale, names, rank, scale, size)}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not (path / "card.json").exists() or force:
+        with FileLock(str(path) + ".lock"):
+            if not (path / "card.json").exists() or force:
+                tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+                shutil.rmtree(tmp, ignore_errors=True)
+                _build(base, model_scale, names, rank, scale, size, tmp)
+                if path.exists():
+                    old = path.parent / f".{path.name}.old-{os.getpid()}"
+                    os.rename(path, old)
+                    shutil.rmtree(old, ignore_errors=True)
+                os.rename(tmp, path)
+    return Pool(base, model_scale, path, json.loads((path / "card.json").read_text()))
+
+
+def _train_pairs(names: tuple[str, ...], n: int, with_steps: bool, tok, seed: int = 7):
+    from ..data import packing, tasks
+    exs = []
+    for f in names:
+        ds = tasks.get(f).difficulties
+        for d in ds:
+            exs += tasks.generate(f, -(-n // (len(ds) * len(names))), seed, d)
+    return exs, packing.encode(tok, [e.prompt for e in exs],
+                               [e.completion(with_steps) for e in exs])
+
+
+def _build(base, model_scale, names, rank, lora_scale, size: PoolSize, out: Path):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from ..data import packing
+    from ..progress import progress
+    from . import zoo
+    t_all = time.time()
+    path, _ = zoo.ensure(base, model_scale)
+    model, tok = zoo.load(base, model_scale)
+    with_steps = zoo._recipe(base).with_steps
+    eval_fams = sorted({f for n in names for f in members(n)}, key=zoo.ALL_FAMILIES.index)
+    evals = {f: zoo.heldout_examples(f, zoo.MIDDLE[f], size.eval_examples, seed=999)[0]
+             for f in eval_fams}
+    score = (lambda m: {f: round(zoo.exact_match(m, tok, e, with_steps), 4)
+                        for f, e in evals.items()})
+    card = {"base": base, "base_key": model.zoo_card["key"], "scale": model_scale, "rank": rank,
+            "lora_scale": lora_scale, "size": asdict(size), "pool_version": POOL_VERSION,
+            "eval": "greedy exact match at each family's middle difficulty, held-out prompts",
+            "base_accuracy": score(model), "adapters": {}}
+    present = {n.split(".")[-1] for n, _ in model.named_modules()}
+    targets = [t for t in TARGETS if t in present]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("WORKBENCH_ZOO_THREADS", "1")))
+    try:
+        for name in progress(names, desc=f"LoRA pool on {base}"):
+            t0 = time.time()
+            fams = members(name)
+            # eval prompts never trained on: drop them from the training examples
+            banned = {e.prompt for f in fams for e in evals[f]}
+            exs, pairs = _train_pairs(fams, size.n_train, with_steps, tok)
+            pairs = [p for e, p in zip(exs, pairs) if e.prompt not in banned]
+            torch.manual_seed(0)
+            fresh, _ = zoo.load(base, model_scale)
+            cfg = LoraConfig(r=rank, lora_alpha=lora_scale * rank, lora_dropout=0.0,
+                             target_modules=targets, task_type="CAUSAL_LM")
+            peft_model = get_peft_model(fresh, cfg)
+            opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad],
+                                    lr=size.lr, weight_decay=0.0)
+            sched = torch.optim.lr_scheduler.LambdaLR(
+                opt, lambda i: 1.0 - 0.9 * min(i, size.steps) / size.steps)
+            g = torch.Generator().manual_seed(0)
+            peft_model.train()
+            for step in range(size.steps):
+                idx = torch.randint(0, len(pairs), (size.batch,), generator=g).tolist()
+                b = packing.pad([pairs[i] for i in idx], tok.pad_token_id)
+                loss = peft_model(**b).loss
+                loss.backward()
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
+            train_s = time.time() - t0
+            peft_model.eval()
+            acc = score(peft_model)
+            peft_model.save_pretrained(out / name)
+            own = sum(acc[f] for f in fams) / len(fams)
+            base_own = sum(card["base_accuracy"][f] for f in fams) / len(fams)
+            card["adapters"][name] = {
+                "families": list(fams), "accuracy": acc, "own_accuracy": round(own, 4),
+                "gain_over_base": round(own - base_own, 4), "final_loss": float(loss.detach()),
+                "train_seconds": round(train_s, 1),
+                "seconds": round(time.time() - t0, 1)}
+    finally:
+        torch.set_num_threads(threads)
+    card["build_seconds"] = round(time.time() - t_all, 1)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "card.json").write_text(json.dumps(card, indent=2))
+    return card
+
+
+def list_built() -> list[dict]:
+    """The cards of every finished pool in the cache, each with its ``path``."""
+    from . import zoo
+    root = zoo.zoo_dir() / "adapters"
+    out = []
+    for card in sorted(root.glob("*/card.json")) if root.exists() else []:
+        if not card.parent.name.startswith("."):
+            out.append({**json.loads(card.read_text()), "path": str(card.parent)})
+    return out
