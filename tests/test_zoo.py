@@ -127,7 +127,7 @@ def test_lora_pool_is_cached_loadable_and_changes_logits(cache):
     import torch
     from peft import PeftModel
     from workbench.models import adapters
-    pool = zoo.adapters("lm-micro", ["pattern", "kv+count"], rank=2, scale=2.0)
+    pool = adapters.adapters("lm-micro", ["pattern", "kv+count"], rank=2, scale=2.0)
     assert pool.names == ["pattern", "kv+count"]
     card = pool.card
     assert set(card["base_accuracy"]) == {"pattern", "kv", "count"}
@@ -136,9 +136,9 @@ def test_lora_pool_is_cached_loadable_and_changes_logits(cache):
     assert (pool.dir / "pattern" / "adapter_config.json").exists()
     # a second call reads the cache (same directory, nothing rebuilt)
     mtime = (pool.dir / "card.json").stat().st_mtime
-    again = zoo.adapters("lm-micro", ["pattern", "kv+count"], rank=2, scale=2.0)
+    again = adapters.adapters("lm-micro", ["pattern", "kv+count"], rank=2, scale=2.0)
     assert again.dir == pool.dir and (again.dir / "card.json").stat().st_mtime == mtime
-    assert zoo.adapters("lm-micro", ["pattern"], rank=4).dir != pool.dir   # rank is in the key
+    assert adapters.adapters("lm-micro", ["pattern"], rank=4).dir != pool.dir   # rank is in the key
     # loadable with PeftModel, and the adapter changes the logits
     base, tok = zoo.load("lm-micro")
     x = tok(tok.bos_token + "a b c a b c a ->", return_tensors="pt",
@@ -152,7 +152,7 @@ def test_lora_pool_is_cached_loadable_and_changes_logits(cache):
     multi, _ = pool.load()
     assert set(multi.peft_config) == {"pattern", "kv+count"}
     with pytest.raises(KeyError, match="family"):
-        zoo.adapters("lm-micro", ["nope"])
+        adapters.adapters("lm-micro", ["nope"])
     assert [c["base"] for c in adapters.list_built()] == ["lm-micro", "lm-micro"]
 
 

@@ -151,7 +151,8 @@ def cmd_zoo(args) -> int:
             print(f"removed {path}")
         return 0
     if args.all:
-        cards = zoo.build_all(args.scale, force=args.force)
+        from .models import adapters
+        cards = adapters.build_all(args.scale, force=args.force)
         print(zoo.format_cards(cards))
         failed = [c for c in cards if "error" in c]
         for c in failed:

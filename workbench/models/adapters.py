@@ -215,3 +215,27 @@ def list_built() -> list[dict]:
         if not card.parent.name.startswith("."):
             out.append({**json.loads(card.read_text()), "path": str(card.parent)})
     return out
+
+
+# the pool ``workbench zoo build --all`` builds with the models
+POOL_BASE = "lm-base"
+
+
+def build_all(scale: str = "smoke", force: bool = False) -> list[dict]:
+    """Build every recipe (but the test-only lm-micro) and the LoRA pool on :data:`POOL_BASE`;
+    return their cards. One failing build does not stop the others (its card says why)."""
+    cards = []
+    from . import zoo
+    for name in zoo.RECIPES:
+        if name == "lm-micro":
+            continue
+        try:
+            cards.append(zoo.build(name, scale, force=force))
+        except Exception as e:          # noqa: BLE001 - report, keep building the rest
+            cards.append({"name": name, "scale": scale, "error": f"{type(e).__name__}: {e}"})
+    try:
+        pool = adapters(POOL_BASE, model_scale=scale, force=force)
+        cards.append({"name": f"lora-pool/{POOL_BASE}", **pool.card})
+    except Exception as e:              # noqa: BLE001
+        cards.append({"name": f"lora-pool/{POOL_BASE}", "error": f"{type(e).__name__}: {e}"})
+    return cards

@@ -207,35 +207,6 @@ def ensure(name: str, scale: str = "smoke", recipe: Recipe | None = None,
     return path, True
 
 
-def adapters(base: str = "lm-base", families=None, rank: int = 8, scale: float = 2.0,
-             model_scale: str = "smoke", force: bool = False):
-    """The cached ``peft`` LoRA pool on ``base`` (see :mod:`workbench.models.adapters`)."""
-    from .adapters import adapters as _adapters
-    return _adapters(base, families, rank=rank, scale=scale, model_scale=model_scale,
-                     force=force)
-
-
-# the pool ``workbench zoo build --all`` builds with the models
-POOL_BASE = "lm-base"
-
-
-def build_all(scale: str = "smoke", force: bool = False) -> list[dict]:
-    """Build every recipe (but the test-only lm-micro) and the LoRA pool on :data:`POOL_BASE`;
-    return their cards. One failing build does not stop the others (its card says why)."""
-    cards = []
-    for name in RECIPES:
-        if name == "lm-micro":
-            continue
-        try:
-            cards.append(build(name, scale, force=force))
-        except Exception as e:          # noqa: BLE001 - report, keep building the rest
-            cards.append({"name": name, "scale": scale, "error": f"{type(e).__name__}: {e}"})
-    try:
-        pool = adapters(POOL_BASE, model_scale=scale, force=force)
-        cards.append({"name": f"lora-pool/{POOL_BASE}", **pool.card})
-    except Exception as e:              # noqa: BLE001
-        cards.append({"name": f"lora-pool/{POOL_BASE}", "error": f"{type(e).__name__}: {e}"})
-    return cards
 
 
 def card_rows(cards: list[dict]) -> list[dict]:
