@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 from . import notebooks as nbs
-from .runtime import SCALES, project_root
+from .env import project_root
+from .runtime import SCALES
 
 
 def _last_result(slug: str) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["project_root", "cache_dir", "strict_mode", "interactive", "batch_mode"]
+__all__ = ["project_root", "cache_dir", "strict_mode", "interactive", "batch_mode", "in_ipython"]
 
 
 def project_root() -> Path:
@@ -36,6 +36,15 @@ def strict_mode() -> bool:
 def batch_mode() -> bool:
     """Run by CI or by ``workbench run`` (which sets ``WORKBENCH_BATCH``): logs, not screens."""
     return bool(os.environ.get("CI") or os.environ.get("WORKBENCH_BATCH"))
+
+
+def in_ipython() -> bool:
+    """Running inside an IPython kernel or shell (Jupyter, papermill, nbval), watched or not."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    return get_ipython() is not None
 
 
 def interactive() -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .env import interactive
+from .env import in_ipython, interactive
 
 PALETTE = ["#1f5a96", "#d1495b", "#2e933c", "#edae49", "#6c4f9c", "#00798c", "#8d6a4f"]
 
@@ -17,12 +17,7 @@ def style() -> None:
     import matplotlib
     import matplotlib.pyplot as plt
     from cycler import cycler
-    try:
-        from IPython import get_ipython
-        in_kernel = get_ipython() is not None
-    except ImportError:
-        in_kernel = False
-    if not in_kernel:
+    if not in_ipython():
         matplotlib.use("Agg")
     plt.rcParams.update({
         "figure.figsize": (6.4, 3.8), "figure.dpi": 100, "axes.grid": True, "grid.alpha": 0.3,

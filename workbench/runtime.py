@@ -25,7 +25,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from .env import cache_dir, interactive, project_root, strict_mode
+from .env import in_ipython, project_root, strict_mode
 
 SCALES = ("smoke", "full")
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -169,7 +169,8 @@ class Run:
         so do explicit ``overrides`` (an override naming a size the table does not have is an
         error: a typo would otherwise be silently ignored). Every row must name the same sizes.
         ``limits`` maps a size or a knob to its allowed values, an inclusive ``(low, high)`` range
-        (None: open) or a list of choices, so that a bad knob fails here, by name. A ``threads`` size sets torch's CPU threads (:meth:`set_threads`).
+        (None: open) or a list of choices, so that a bad knob fails here, by name. A ``threads``
+        size sets torch's CPU threads (:meth:`set_threads`).
         """
         if self.scale not in table:
             raise KeyError(f"SIZES has no row for scale {self.scale!r}; it has {sorted(table)}")
@@ -285,12 +286,9 @@ class Run:
         if failed and strict_mode():
             print(verdicts)
             raise ClaimFailed(f"{self.slug} seed {self.seed}: robust claim(s) {failed} did not hold")
-        if not _in_ipython():
+        if not in_ipython():
             print(verdicts)
         return verdicts
-
-    def verdict_table(self) -> str:
-        return Verdicts(self.summary(), self.out_dir).text()
 
 
 class Verdicts(dict):
@@ -364,14 +362,6 @@ def _short(value, n: int = 60) -> str:
     return text if len(text) <= n else text[: n - 3] + "..."
 
 
-def _in_ipython() -> bool:
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    return get_ipython() is not None
-
-
 RESERVED = ("scale", "seed", "device", "out_dir")
 
 
@@ -425,12 +415,8 @@ def show(obj) -> None:
     """Render the source of a function or class in the notebook (plain text elsewhere)."""
     import inspect
     src = inspect.getsource(obj)
-    try:
-        from IPython import get_ipython
+    if in_ipython():
         from IPython.display import Markdown, display
-        if get_ipython() is not None:
-            display(Markdown(f"```python\n{src}\n```"))
-            return
-    except ImportError:
-        pass
+        display(Markdown(f"```python\n{src}\n```"))
+        return
     print(src)

@@ -153,7 +153,7 @@ def _recipe(name: str, recipe: Recipe | None = None) -> Recipe:
 
 
 def zoo_dir() -> Path:
-    from ..runtime import cache_dir
+    from ..env import cache_dir
     path = cache_dir() / "zoo"
     path.mkdir(parents=True, exist_ok=True)
     return path
