@@ -55,3 +55,23 @@ def test_stream_cuts_back_to_back_examples_into_rows():
     assert rows.tolist() == [[1, A, B], [2, 1, A]]
     with pytest.raises(ValueError, match="7 tokens of task text, 8 needed"):
         packing.stream(pairs, n_rows=2, ctx=4)
+
+
+def test_positions_restart_at_bos_and_make_packed_rows_independent():
+    ids = torch.tensor([[1, A, B, 2, 1, A, 2, 0], [1, B, B, B, 2, 0, 0, 0]])
+    pos = packing.positions(ids, TOK.bos_token_id)
+    assert pos.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7]]
+    # transformers reads the restarts as packed sequences: the second example's logits are
+    # those it has alone (block-diagonal attention), and without the positions they are not
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=2, num_attention_heads=2,
+                                     num_key_value_heads=2)).eval()
+    x = torch.randint(3, 128, (1, 10))
+    x[0, 0] = x[0, 4] = 1
+    alone = m(input_ids=x[:, 4:], use_cache=False).logits
+    packed = m(input_ids=x, position_ids=packing.positions(x, 1), use_cache=False).logits
+    plain = m(input_ids=x, use_cache=False).logits
+    assert torch.allclose(packed[:, 4:], alone, atol=1e-5)
+    assert not torch.allclose(plain[:, 4:], alone, atol=1e-3)

@@ -164,3 +164,11 @@ def test_cards_table_and_cli_all(cache):
     ap = cli.parser()
     assert ap.parse_args(["zoo", "build", "--all"]).all
     assert ap.parse_args(["zoo", "list", "--json"]).json
+
+
+def test_build_all_in_parallel_keeps_order_and_reports_a_failed_build(cache):
+    from workbench.models import adapters
+    cards = adapters.build_all("smoke", jobs=2, names=["lm-nope", "lm-micro"])
+    assert [c["name"] for c in cards] == ["lm-nope", "lm-micro"]
+    assert "unknown zoo model 'lm-nope'" in cards[0]["error"]
+    assert "error" not in cards[1] and (zoo.model_dir("lm-micro") / "card.json").exists()

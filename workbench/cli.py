@@ -153,7 +153,7 @@ def cmd_zoo(args) -> int:
         return 0
     if args.all:
         from .models import adapters
-        cards = adapters.build_all(args.scale, force=args.force)
+        cards = adapters.build_all(args.scale, force=args.force, jobs=args.jobs)
         print(zoo.format_cards(cards))
         failed = [c for c in cards if "error" in c]
         for c in failed:
@@ -221,6 +221,8 @@ def parser() -> argparse.ArgumentParser:
     z.add_argument("--all", action="store_true",
                    help="build: every recipe and the LoRA pool")
     z.add_argument("--json", action="store_true", help="list: one JSON card per line")
+    z.add_argument("--jobs", type=int, default=2,
+                   help="build --all: builds at a time, one CPU thread each (default 2)")
     return p
 
 

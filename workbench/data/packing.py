@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["encode", "pad", "pack", "stream", "task_batch"]
+__all__ = ["encode", "pad", "pack", "positions", "stream", "task_batch"]
 
 IGNORE = -100   # the label that cross-entropy skips (transformers' convention)
 
@@ -63,6 +63,19 @@ def pack(pairs: list[tuple[list, list]], ctx: int, pad_id: int) -> tuple[torch.T
     if not rows:
         raise ValueError(f"no example fits in ctx={ctx} tokens")
     return torch.tensor(rows, dtype=torch.long), torch.tensor(labels, dtype=torch.long)
+
+
+def positions(ids: torch.Tensor, bos_id: int) -> torch.Tensor:
+    """Position ids that restart at 0 at every ``<bos>`` of packed ``(rows, ctx)`` ``ids``.
+
+    Passed as ``position_ids`` (with no attention mask), ``transformers`` reads the restarts as
+    packed sequences and masks attention block-diagonally: each example sees only itself, at the
+    positions it has when generated alone. Without this, a packed ``kv`` or ``count`` example
+    can attend to the letters of the examples before it in the row."""
+    T = ids.shape[-1]
+    idx = torch.arange(T).expand_as(ids)
+    starts = torch.where(ids == bos_id, idx, torch.zeros_like(idx))
+    return idx - starts.cummax(-1).values
 
 
 def stream(pairs: list[tuple[list, list]], n_rows: int, ctx: int) -> torch.Tensor:

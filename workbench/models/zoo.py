@@ -406,12 +406,16 @@ def _loop_v1(model, opt, sched, text_ids, task_x, task_y, r: Recipe, s: Size, pa
 
 
 def _loop_v2(model, opt, sched, text_ids, task_x, task_y, r: Recipe, s: Size, pad_id: int,
-             device, steps: int | None = None, desc: str = "zoo"):
+             device, steps: int | None = None, desc: str = "zoo", bos_id: int | None = None):
     """The faster loop: every step's rows drawn up front (one gather per step from a strided
     view of the text, no Python list of slices), losses kept on the device and read once at the
     end, tokens counted from precomputed row lengths. Text rows are contiguous windows (no
-    padding); task rows are whole examples packed greedily (padding only at a row's tail)."""
+    padding); task rows are whole examples packed greedily (padding only at a row's tail).
+
+    With ``bos_id`` (loop v3) task rows carry position ids that restart at each ``<bos>``, so
+    attention is block-diagonal per example (:func:`workbench.data.packing.positions`)."""
     import torch
+    from ..data import packing
     from ..progress import progress
     steps = s.steps if steps is None else steps
     g = torch.Generator().manual_seed(r.seed)
@@ -419,19 +423,24 @@ def _loop_v2(model, opt, sched, text_ids, task_x, task_y, r: Recipe, s: Size, pa
     windows = text_ids.unfold(0, s.ctx, 1)                  # (L - ctx + 1, ctx), a view
     starts = torch.randint(0, len(windows), (steps, s.batch - n_task), generator=g)
     picks = torch.randint(0, len(task_x), (steps, n_task), generator=g) if n_task else None
-    windows, tx, ty = windows.to(device), None, None
+    windows, tx, ty, tpos = windows.to(device), None, None, None
     if n_task:
         tx, ty = task_x.to(device), task_y.to(device)
+        if bos_id is not None:
+            tpos = packing.positions(task_x, bos_id).to(device)
+    text_pos = torch.arange(s.ctx, device=device).expand(s.batch - n_task, -1)
     params = list(model.parameters())
     losses = torch.zeros(steps, device=device)
     model.train()
     for step in progress(range(steps), desc=desc):
         x = windows[starts[step].to(device)]
-        y = x
+        y, pos = x, None
         if n_task:
             p = picks[step].to(device)
             x, y = torch.cat([x, tx[p]]), torch.cat([x, ty[p]])
-        loss = model(input_ids=x, labels=y).loss
+            if tpos is not None:
+                pos = torch.cat([text_pos, tpos[p]])
+        loss = model(input_ids=x, labels=y, position_ids=pos, use_cache=False).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
         opt.step()
@@ -444,7 +453,12 @@ def _loop_v2(model, opt, sched, text_ids, task_x, task_y, r: Recipe, s: Size, pa
     return losses.cpu().tolist(), tokens
 
 
-LOOPS = {"v1": _loop_v1, "v2": _loop_v2}
+def _loop_v3(*args, bos_id: int, **kw):
+    """Loop v2 with block-diagonal attention over packed task examples."""
+    return _loop_v2(*args, bos_id=bos_id, **kw)
+
+
+LOOPS = {"v1": _loop_v1, "v2": _loop_v2, "v3": _loop_v3}
 
 
 def _train_and_save_inner(r: Recipe, scale: str, out: Path) -> dict:
@@ -467,8 +481,9 @@ def _train_and_save_inner(r: Recipe, scale: str, out: Path) -> dict:
     opt, sched = _optimizer(model, s)
     if r.loop not in LOOPS:
         raise ValueError(f"unknown training loop {r.loop!r}; choose {sorted(LOOPS)}")
+    kw = {"bos_id": tok.bos_token_id} if r.loop == "v3" else {}
     losses, tokens = LOOPS[r.loop](model, opt, sched, text_ids, task_x, task_y, r, s,
-                                   tok.pad_token_id, device, desc=f"zoo {r.name}/{scale}")
+                                   tok.pad_token_id, device, desc=f"zoo {r.name}/{scale}", **kw)
     model.eval()
     train_s = time.time() - t0
     card = {
