@@ -110,7 +110,16 @@ def test_v1_recipes_keep_their_keys():
     assert zoo.RECIPES["lm-tiny"].key("smoke") == "99f61dae1f"
     assert zoo.RECIPES["lm-tiny"].loop == "v1"
     for n in ("lm-base", "lm-instruct", "lm-reasoning", "lm-gpt2", "lm-qwen2", "lm-qbed"):
-        assert zoo.RECIPES[n].loop == "v2" and zoo.RECIPES[n].eval_by_difficulty
+        assert zoo.RECIPES[n].loop in ("v2", "v3") and zoo.RECIPES[n].eval_by_difficulty
+
+
+def test_v3_recipes_train_families_of_distinct_surfaces():
+    # two trained families with one prompt surface (reverse and sort) would contradict each other
+    from workbench.data import tasks
+    for r in zoo.RECIPES.values():
+        if r.loop == "v3":
+            surfaces = [tasks.get(f).surface for f in r.train_tasks]
+            assert len(set(surfaces)) == len(surfaces), r.name
 
 
 def test_quant_sensitivity_restores_the_model(cache):
