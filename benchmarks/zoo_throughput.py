@@ -11,6 +11,7 @@ best repeat beside them).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from dataclasses import replace
@@ -58,6 +59,8 @@ def loop_tps(recipe, s, threads: int, steps: int, reps: int, compile_: bool = Fa
     opt, sched = zoo._optimizer(model, s)
     loop = zoo.LOOPS[recipe.loop]
     args = (model, opt, sched, text_ids, task_x, task_y, recipe, s, tok.pad_token_id, "cpu")
+    if recipe.loop == "v3":                 # per-example positions in packed task rows
+        loop = functools.partial(loop, bos_id=tok.bos_token_id)
     loop(*args, steps=3, desc="warm-up")
     rates = []
     for _ in range(reps):
@@ -81,10 +84,12 @@ def main():
     configs = [("lm-tiny loop v1 (16x64, 1 thread)", tiny, tiny.smoke, 1, False),
                ("lm-tiny loop v1 (16x64, 2 threads)", tiny, tiny.smoke, 2, False),
                ("lm-tiny sizes, loop v2 (16x64, 1 thread)", replace(tiny, loop="v2"), tiny.smoke, 1, False),
-               ("lm-base loop v2, 1 thread", base, base.smoke, 1, False),
-               ("lm-base loop v2, 2 threads", base, base.smoke, 2, False)]
+               ("lm-base sizes, loop v2, 1 thread", replace(base, loop="v2"), base.smoke, 1, False),
+               (f"lm-base loop {base.loop}, 1 thread", base, base.smoke, 1, False),
+               (f"lm-base loop {base.loop}, 2 threads", base, base.smoke, 2, False)]
     if a.compile:
-        configs.append(("lm-base loop v2, 2 threads, torch.compile", base, base.smoke, 2, True))
+        configs.append((f"lm-base loop {base.loop}, 2 threads, torch.compile", base, base.smoke,
+                        2, True))
     print(f"{'matmul (tokens x d x d_ff), threads':48s} {'GFLOP/s median':>15s} {'best':>8s}")
     peaks = {}
     for name, r, s, th, _ in configs:
