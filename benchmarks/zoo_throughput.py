@@ -59,8 +59,7 @@ def loop_tps(recipe, s, threads: int, steps: int, reps: int, compile_: bool = Fa
     opt, sched = zoo._optimizer(model, s)
     loop = zoo.LOOPS[recipe.loop]
     args = (model, opt, sched, text_ids, task_x, task_y, recipe, s, tok.pad_token_id, "cpu")
-    if recipe.loop == "v3":                 # per-example positions in packed task rows
-        loop = functools.partial(loop, bos_id=tok.bos_token_id)
+    loop = functools.partial(loop, bos_id=tok.bos_token_id)   # v3: per-example positions
     loop(*args, steps=3, desc="warm-up")
     rates = []
     for _ in range(reps):

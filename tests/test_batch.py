@@ -93,6 +93,14 @@ def test_batch_keeps_going_past_failures_and_reports(fixture_notebooks, tmp_path
     assert m["params"]["out_dir"] == good[0].job.out
 
 
+def _run_with_stand_in(script, fixture_notebooks, tmp_path, monkeypatch):
+    """Run one planned job with ``script`` (given the run directory) in papermill's place."""
+    monkeypatch.setattr(batch, "_papermill_cmd",
+                        lambda nb, workdir, slug, timeout: [sys.executable, "-c", script, workdir])
+    (job,) = batch.plan(discover(fixture_notebooks)[:1], tmp_path)
+    return job, batch.run_job(job, timeout=30)
+
+
 @pytest.mark.slow   # papermill end to end
 def test_kernel_that_fails_to_start_is_retried_once(fixture_notebooks, tmp_path, monkeypatch):
     # Stand in for papermill: the first attempt fails the way a kernel that never starts does,
@@ -104,10 +112,7 @@ def test_kernel_that_fails_to_start_is_retried_once(fixture_notebooks, tmp_path,
         "if k == 1:\n"
         "    print('RuntimeError: Kernel didn\\'t respond in 60 seconds'); sys.exit(1)\n"
         "(out / 'metrics.json').write_text(json.dumps({'claims': []}))\n")
-    monkeypatch.setattr(batch, "_papermill_cmd",
-                        lambda nb, workdir, slug, timeout: [sys.executable, "-c", script, workdir])
-    (job,) = batch.plan(discover(fixture_notebooks)[:1], tmp_path)
-    r = batch.run_job(job, timeout=30)
+    job, r = _run_with_stand_in(script, fixture_notebooks, tmp_path, monkeypatch)
     assert (r.status, r.attempts) == ("ok", 2)
 
 
@@ -238,10 +243,7 @@ def test_a_half_written_metrics_json_is_not_trusted(fixture_notebooks, tmp_path,
     script = ("import pathlib, sys\n"
               "pathlib.Path(sys.argv[1], 'metrics.json').write_text('{\"claims\": [')\n"
               "print('DeadKernelError: Kernel died'); sys.exit(1)\n")
-    monkeypatch.setattr(batch, "_papermill_cmd",
-                        lambda nb, workdir, slug, timeout: [sys.executable, "-c", script, workdir])
-    (job,) = batch.plan(discover(fixture_notebooks)[:1], tmp_path)
-    r = batch.run_job(job, timeout=30)
+    job, r = _run_with_stand_in(script, fixture_notebooks, tmp_path, monkeypatch)
     assert r.status == "died"
     assert not (Path(job.out) / "metrics.json").exists()      # removed, not committed
     assert json.loads((Path(job.out) / "job.json").read_text())["status"] == "died"

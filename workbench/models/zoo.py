@@ -368,7 +368,7 @@ def _train_and_save(r: Recipe, scale: str, out: Path) -> dict:
     # Small matmuls on a shared CPU: one thread avoids OpenMP spin-waiting, which we measured
     # making a 2-thread step ~10x slower under contention (v1). v2 recipes name their threads
     # (benchmarks/zoo_throughput.py measures both). WORKBENCH_ZOO_THREADS overrides either.
-    default = r.size(scale).threads if r.loop == "v2" else 1
+    default = r.size(scale).threads if r.loop != "v1" else 1
     torch.set_num_threads(int(os.environ.get("WORKBENCH_ZOO_THREADS", default)))
     try:
         return _train_and_save_inner(r, scale, out)
@@ -386,7 +386,7 @@ def _optimizer(model, s: Size):
 
 
 def _loop_v1(model, opt, sched, text_ids, task_x, task_y, r: Recipe, s: Size, pad_id: int,
-             device, steps: int | None = None, desc: str = "zoo"):
+             device, steps: int | None = None, desc: str = "zoo", bos_id: int | None = None):
     """lm-tiny's original loop, unchanged (its weights depend on every call here): a fresh
     batch gathered in Python each step, a host sync per step for the loss and the token count."""
     import torch
@@ -421,8 +421,8 @@ def _loop_v2(model, opt, sched, text_ids, task_x, task_y, r: Recipe, s: Size, pa
     end, tokens counted from precomputed row lengths. Text rows are contiguous windows (no
     padding); task rows are whole examples packed greedily (padding only at a row's tail).
 
-    With ``bos_id`` (loop v3) task rows carry position ids that restart at each ``<bos>``, so
-    attention is block-diagonal per example (:func:`workbench.data.packing.positions`)."""
+    Loop v3 (``r.loop == "v3"``) is this loop with task rows carrying position ids that
+    restart at each ``<bos>``, so attention is block-diagonal per example (:func:`workbench.data.packing.positions`)."""
     import torch
     from ..data import packing
     from ..progress import progress
@@ -435,7 +435,7 @@ def _loop_v2(model, opt, sched, text_ids, task_x, task_y, r: Recipe, s: Size, pa
     windows, tx, ty, tpos = windows.to(device), None, None, None
     if n_task:
         tx, ty = task_x.to(device), task_y.to(device)
-        if bos_id is not None:
+        if r.loop == "v3":
             tpos = packing.positions(task_x, bos_id).to(device)
     text_pos = torch.arange(s.ctx, device=device).expand(s.batch - n_task, -1)
     params = list(model.parameters())
@@ -462,12 +462,8 @@ def _loop_v2(model, opt, sched, text_ids, task_x, task_y, r: Recipe, s: Size, pa
     return losses.cpu().tolist(), tokens
 
 
-def _loop_v3(*args, bos_id: int, **kw):
-    """Loop v2 with block-diagonal attention over packed task examples."""
-    return _loop_v2(*args, bos_id=bos_id, **kw)
-
-
-LOOPS = {"v1": _loop_v1, "v2": _loop_v2, "v3": _loop_v3}
+# every loop takes the same arguments (v1 ignores ``bos_id``); v3 is v2 with per-example positions
+LOOPS = {"v1": _loop_v1, "v2": _loop_v2, "v3": _loop_v2}
 
 
 def _train_and_save_inner(r: Recipe, scale: str, out: Path) -> dict:
@@ -495,9 +491,9 @@ def _train_and_save_inner(r: Recipe, scale: str, out: Path) -> dict:
     opt, sched = _optimizer(model, s)
     if r.loop not in LOOPS:
         raise ValueError(f"unknown training loop {r.loop!r}; choose {sorted(LOOPS)}")
-    kw = {"bos_id": tok.bos_token_id} if r.loop == "v3" else {}
     losses, tokens = LOOPS[r.loop](model, opt, sched, text_ids, task_x, task_y, r, s,
-                                   tok.pad_token_id, device, desc=f"zoo {r.name}/{scale}", **kw)
+                                   tok.pad_token_id, device, desc=f"zoo {r.name}/{scale}",
+                                   bos_id=tok.bos_token_id)
     model.eval()
     train_s = time.time() - t0
     card = {
