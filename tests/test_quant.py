@@ -77,6 +77,39 @@ def test_quantlinear_matches_dequantized_and_scales_are_parameters():
     assert ql.scale.grad is not None and ql.scale.grad.shape == (8, 2)
 
 
+def test_quantlinear_caches_its_weight_until_codes_or_scales_change():
+    lin = torch.nn.Linear(64, 8)
+    ql = Q.QuantLinear.from_linear(lin, 4, 32)
+    ql.scale.requires_grad_(False)
+    x = torch.randn(5, 64)
+    fresh = lambda: torch.nn.functional.linear(x, ql.dequantized(), ql.bias)
+    w0 = ql.cached_weight()
+    assert ql.cached_weight() is w0                          # nothing changed: the same tensor
+    assert torch.equal(ql(x), fresh())
+    with torch.no_grad():
+        ql.scale.mul_(1.5)                                   # in place (what LQZO's steps do)
+    assert ql.cached_weight() is not w0 and torch.allclose(ql(x), fresh())
+    w1 = ql.cached_weight()
+    ql.codes[0, 0] = 15 - ql.codes[0, 0]                     # a code changes
+    assert ql.cached_weight() is not w1 and torch.equal(ql(x), fresh())
+    w2 = ql.cached_weight()
+    ql.scale = torch.nn.Parameter(ql.scale.detach() * 2, requires_grad=False)   # a new tensor
+    assert ql.cached_weight() is not w2 and torch.equal(ql(x), fresh())
+    ql.zero.add_(1)
+    assert torch.equal(ql(x), fresh())
+
+
+def test_quantlinear_does_not_cache_while_training_its_scales():
+    ql = Q.QuantLinear.from_linear(torch.nn.Linear(64, 8), 4, 32)
+    x = torch.randn(5, 64)
+    for _ in range(2):                                       # a second backward works too
+        ql.scale.grad = None
+        ql(x).sum().backward()
+        assert ql.scale.grad is not None and ql.scale.grad.abs().sum() > 0
+    with torch.no_grad():                                    # evaluation caches
+        assert ql.cached_weight() is ql.cached_weight()
+
+
 def test_ternary_absmean_and_ste():
     w = _w().requires_grad_(True)
     q, gamma = Q.absmean_ternary(w.detach())
@@ -124,19 +157,6 @@ def test_our_packers_match_gguf_bytes():
 def test_gguf_refuses_k_quants():
     with pytest.raises(ValueError, match="cannot quantize"):
         Q.gguf_quantize(np.zeros((1, 256), np.float32), "Q4_K")
-
-
-def test_model_export_import(tmp_path):
-    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 64))
-    names = ["0.weight"]
-    path = Q.export_model_gguf(model, tmp_path / "s.gguf", "Q4_0", quantize=names)
-    other = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 64))
-    Q.import_model_gguf(other, path)
-    w = model[0].weight.detach().numpy()
-    assert np.array_equal(other[0].weight.detach().numpy(),
-                          Q.gguf_dequantize(Q.gguf_quantize(w, "Q4_0"), "Q4_0"))
-    assert torch.equal(other[1].weight, model[1].weight)
-    assert torch.equal(other[0].bias, model[0].bias)
 
 
 def test_block_linears_are_the_block_projections_only():

@@ -1,12 +1,24 @@
-"""GGUF export/import through the ``gguf`` package (ggml-org/llama.cpp ``gguf-py``).
+"""GGUF files that llama.cpp and transformers load, through the ``gguf`` package (ggml-org/llama.cpp
+``gguf-py``).
+
+:func:`export_model_gguf` writes a ``transformers`` Llama, Qwen2 or GPT-2 causal LM the way
+llama.cpp's ``convert_hf_to_gguf.py`` does: tensor names from ``gguf.get_tensor_name_map``
+(``token_embd``, ``blk.N.attn_q``, ``output_norm``, ...), Llama's q/k rows permuted to GGML's rotary
+layout, the ``general.*`` and ``<arch>.*`` hyper-parameters, and the tokenizer as a ``gpt2``
+(byte-level BPE) vocabulary with merges and special ids. Block weights are written in the asked
+type: the project's own integer codes (RTN, GPTQ, GSQ, a :class:`QuantLinear`, ternary levels)
+are packed bit-exactly into Q4_0 / Q8_0 / TQ1_0 / TQ2_0 blocks when the grid fits
+(:func:`block_codes`), float weights go through gguf-py's quantizer; a row that a block size does
+not divide follows llama.cpp's fallback rule (:func:`fallback_type`). Norms and biases stay F32.
+:func:`load_transformers` and :func:`llama_cpp_logits` read the files back with the real
+runtimes (the latter needs the optional ``llama-cpp-python``).
 
 gguf-py quantizes in numpy only Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, TQ1_0, TQ2_0 and BF16 (K-quants are
-dequantize-only there), so those plus F32 and F16 are what :func:`write_gguf` can write from
-floats; :func:`pack_q4_0`, :func:`pack_q8_0` and :func:`pack_tq2_0` write given integer codes and
-scales bit-exactly (what a method that chooses its own codes, like GSQ, needs). The K-quant writer
-is ours: :func:`pack_q3_k` (Q3_K, symmetric 3-bit levels, 6-bit scales per 16 weights, fp16 scale
-per 256) with an RTN quantizer :func:`q3_k_params`; gguf-py's dequantizer reads it back
-bit-exactly.
+dequantize-only there), so those plus F32 and F16 are what :func:`gguf_quantize` writes from
+floats; the ``pack_*`` helpers write given integer codes and scales bit-exactly. The K-quant
+writer is ours: :func:`pack_q3_k` (Q3_K, symmetric 3-bit levels, 6-bit scales per 16 weights,
+fp16 scale per 256) with an RTN quantizer :func:`q3_k_params`; gguf-py's dequantizer reads it
+back bit-exactly.
 """
 from __future__ import annotations
 
@@ -242,40 +254,443 @@ def gguf_metadata(path: str | Path) -> dict:
     return meta
 
 
-def export_model_gguf(model: nn.Module, path: str | Path, qtype: str = "Q4_0",
-                      codes: dict | None = None, quantize: list[str] | None = None,
-                      metadata: dict | None = None) -> Path:
-    """Write every parameter of ``model`` to GGUF, keeping PyTorch names.
 
-    Weights named in ``quantize`` are written as ``qtype``: from ``codes[name]`` when given
-    (bit-exact, e.g. GSQ's assignment: ``(levels, d)``, or ``(levels, sub_scales, d)`` for Q3_K),
-    else with :func:`gguf_quantize`. Everything else is F32. Tied parameters are written once.
+def pack_tq1_0(levels: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """TQ1_0 blocks (54 bytes per 256 weights, 1.6875 bpw) from ternary levels (rows, in) and fp16
+    scales (rows, in // 256).
+
+    The bytes are gguf-py's own ``TQ1_0`` quantizer applied to the levels themselves (each
+    block's absmax is 1, or 0 for an all-zero block, so it stores exactly these levels, five
+    base-3 digits per byte); then each block's trailing fp16 scale is set to ``d``.
     """
-    packers = {"Q4_0": pack_q4_0, "Q8_0": pack_q8_0, "TQ2_0": pack_tq2_0, "Q3_K": pack_q3_k}
-    tensors, seen = {}, set()
-    quantize = set(quantize or [])
-    for name, p in model.named_parameters():
-        if id(p) in seen:
+    rows, cols = levels.shape
+    lv = np.asarray(levels)
+    if cols % QK_K:
+        raise ValueError(f"TQ1_0 needs in-features divisible by {QK_K}, got {cols}")
+    if lv.min() < -1 or lv.max() > 1:
+        raise ValueError("TQ1_0 levels must lie in {-1, 0, 1}")
+    raw = gguf_quantize(lv.astype(np.float32), "TQ1_0").reshape(rows * cols // QK_K, 54).copy()
+    raw[:, -2:] = d.astype(np.float16).reshape(-1, 1).view(np.uint8)
+    return raw.reshape(rows, cols // QK_K * 54)
+
+
+# -- which grids fit which blocks, and the rule for rows a block does not divide ----------------
+
+# what each block type holds exactly: value = d * level, one fp16 d per block. Q8_0's -128 is a
+# valid int8, but llama.cpp's SIMD dot products take its absolute value, so it is excluded.
+LEVEL_RANGE = {"Q4_0": (-8, 7), "Q8_0": (-127, 127), "TQ1_0": (-1, 1), "TQ2_0": (-1, 1)}
+PACKERS = {"Q4_0": pack_q4_0, "Q8_0": pack_q8_0, "TQ1_0": pack_tq1_0, "TQ2_0": pack_tq2_0,
+           "Q3_K": pack_q3_k}
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def block_size(qtype: str) -> int:
+    """Weights per block of ``qtype`` (1 for the float types), from ``gguf.GGML_QUANT_SIZES``."""
+    import gguf
+    return gguf.GGML_QUANT_SIZES[_qt(qtype)][0]
+
+
+def fallback_type(qtype: str, cols: int) -> str:
+    """The type a tensor with rows of ``cols`` weights is written as when asked for ``qtype``.
+
+    llama.cpp's rule (``tensor_type_fallback`` in ``src/llama-quant.cpp``, what ``llama-quantize``
+    does): ``qtype`` itself when its block size divides the row; a 256-block ternary or K type
+    (TQ1_0, TQ2_0, Q3_K) falls back to Q4_0; a row that 32 does not divide either is F16.
+    """
+    if qtype in FLOAT_TYPES or cols % block_size(qtype) == 0:
+        return qtype
+    if qtype in ("TQ1_0", "TQ2_0", "Q3_K") and cols % 32 == 0:
+        return "Q4_0"
+    return "F16"
+
+
+def block_codes(q: Quantized, qtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(levels int8, d float16 per block)`` of a :class:`Quantized` in ``qtype``'s blocks.
+
+    A grid fits exactly when it is symmetric (``value = scale * level``, integer zero points),
+    its levels lie in :data:`LEVEL_RANGE` and every block lies inside one scale group (the group
+    size is a multiple of the block size: each block repeats its group's scale). The scales are
+    rounded to fp16, as all of these formats store them. Anything else raises ``ValueError``
+    (act-order's scattered groups, groups smaller than a block, asymmetric levels out of range):
+    writing it would silently requantize the codes.
+    """
+    if qtype not in LEVEL_RANGE:
+        raise ValueError(f"integer codes are packed into {sorted(LEVEL_RANGE)}, not {qtype}")
+    if q.g_idx is not None:
+        raise ValueError("act-order groups are scattered over the columns, a GGUF block holds "
+                         "consecutive weights: quantize with static_groups=True")
+    rows, cols = q.codes.shape
+    b = block_size(qtype)
+    g = cols if q.group_size <= 0 else q.group_size
+    if cols % b:
+        raise ValueError(f"{qtype} needs rows divisible by {b}, got {cols} (see fallback_type)")
+    if g % b:
+        raise ValueError(f"{qtype} stores one scale per {b} weights: groups of {g} do not tile it")
+    z = q.per_column(q.zero.float())
+    if not torch.equal(z, torch.round(z)):
+        raise ValueError("non-integer zero points: not an integer grid")
+    lv = q.level_index.cpu().numpy()
+    lo, hi = LEVEL_RANGE[qtype]
+    if lv.min() < lo or lv.max() > hi:
+        raise ValueError(f"levels {lv.min()}..{lv.max()} do not fit {qtype}'s {lo}..{hi}")
+    scale = q.scale.detach().float().cpu().numpy()
+    if scale.shape != (rows, cols // g):
+        raise ValueError(f"scale has shape {scale.shape}, expected {(rows, cols // g)}")
+    return lv.astype(np.int8), np.repeat(scale, g // b, axis=1).astype(np.float16)
+
+
+def stored_weight(q: Quantized, qtype: str) -> torch.Tensor:
+    """The float32 weight a ``qtype`` file holds for ``q``: its levels times fp16-rounded scales
+    (``qtype`` after :func:`fallback_type`; F16/F32 hold ``q.dequantize()`` in that precision)."""
+    t = fallback_type(qtype, q.codes.shape[1])
+    if t in FLOAT_TYPES:
+        w = q.dequantize().float()
+        return w.half().float() if t == "F16" else w
+    lv, d = block_codes(q, t)
+    return torch.from_numpy(np.repeat(d.astype(np.float32), block_size(t), axis=1)
+                            * lv.astype(np.float32))
+
+
+# -- a transformers causal LM as a llama.cpp GGUF file --------------------------------------------
+
+ARCHS = {"llama": "LLAMA", "qwen2": "QWEN2", "gpt2": "GPT2"}     # model_type -> gguf.MODEL_ARCH
+
+
+def gguf_arch(config):
+    """``gguf.MODEL_ARCH`` of a ``transformers`` config (Llama, Qwen2 or GPT-2)."""
+    import gguf
+    mt = getattr(config, "model_type", None)
+    if mt not in ARCHS:
+        raise ValueError(f"GGUF export knows the architectures {sorted(ARCHS)}, not {mt!r}")
+    return gguf.MODEL_ARCH[ARCHS[mt]]
+
+
+def _rope_theta(config) -> float:
+    rp = getattr(config, "rope_parameters", None) or {}
+    return float(rp.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+def llama_permute_rows(rows: int, n_head: int) -> np.ndarray:
+    """Row order of ``LlamaModel.permute`` in llama.cpp's ``convert_hf_to_gguf.py`` for a q or k
+    projection (HF's rotary layout, halves of each head, to GGML's interleaved pairs):
+    ``w_gguf = w_hf[idx]``. transformers' GGUF loader applies the inverse."""
+    half = rows // n_head // 2
+    return np.arange(rows).reshape(n_head, 2, half).swapaxes(1, 2).reshape(-1)
+
+
+def tokenizer_pre(tokenizer) -> str:
+    """The llama.cpp pre-tokenizer (``tokenizer.ggml.pre``) that splits text as ``tokenizer`` does.
+
+    The zoo's byte-level BPE isolates every digit, then applies GPT-2's regex: llama.cpp's
+    ``refact`` pre-type is exactly that (``\\p{N}``, then GPT-2's regex). A plain GPT-2
+    byte-level BPE is ``gpt-2``. Anything else raises: a wrong pre-type would tokenize differently
+    without a word.
+    """
+    import json
+    pre = json.loads(tokenizer.backend_tokenizer.to_str()).get("pre_tokenizer") or {}
+    parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    kinds = [(p.get("type"), p.get("individual_digits"), p.get("use_regex")) for p in parts]
+    if kinds == [("Digits", True, None), ("ByteLevel", None, True)]:
+        return "refact"
+    if kinds == [("ByteLevel", None, True)]:
+        return "gpt-2"
+    raise ValueError(f"no llama.cpp pre-tokenizer is known for {pre}; pass tokenizer_pre=")
+
+
+def add_tokenizer(writer, tokenizer, vocab_size: int, pre: str | None = None) -> None:
+    """Write ``tokenizer`` as llama.cpp's ``gpt2`` model (byte-level BPE): tokens, token types
+    (special tokens CONTROL), merges, bos/eos/unk/pad ids, and no BOS/EOS added on encode (as the
+    zoo's tokenizer does). Ids past the tokenizer's vocabulary (a padded embedding) are UNUSED."""
+    import json
+
+    import gguf
+    bpe = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
+    if bpe.get("type") != "BPE":
+        raise ValueError(f"only byte-level BPE tokenizers are written, not {bpe.get('type')}")
+    tokens = tokenizer.convert_ids_to_tokens(list(range(min(len(tokenizer), vocab_size))))
+    special = set(tokenizer.all_special_ids)
+    types = [gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
+             for i in range(len(tokens))]
+    for i in range(len(tokens), vocab_size):
+        tokens.append(f"[PAD{i}]")
+        types.append(gguf.TokenType.UNUSED)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre or tokenizer_pre(tokenizer))
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m)
+                             for m in bpe.get("merges", [])])
+    for kind in ("bos", "eos", "unk", "pad"):
+        tid = getattr(tokenizer, f"{kind}_token_id", None)
+        if tid is not None:
+            getattr(writer, f"add_{kind}_token_id")(int(tid))
+    writer.add_add_bos_token(False)
+    writer.add_add_eos_token(False)
+
+
+def _add_hparams(writer, config, arch) -> None:
+    """``<arch>.*`` keys, as ``convert_hf_to_gguf.py`` writes them for these architectures."""
+    import gguf
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_vocab_size(config.vocab_size)
+    if arch == gguf.MODEL_ARCH.GPT2:
+        writer.add_context_length(config.n_positions)
+        writer.add_embedding_length(config.n_embd)
+        writer.add_feed_forward_length(config.n_inner or 4 * config.n_embd)
+        writer.add_head_count_kv(config.n_head)
+        writer.add_layer_norm_eps(config.layer_norm_epsilon)
+        return
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(_rope_theta(config))
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+
+
+def _model_tensors(model: nn.Module, codes: dict):
+    """``(hf_name, source)`` for every tensor of ``model``: a float array (GPT-2's ``Conv1D``
+    weights transposed to (out, in)), a :class:`Quantized` (a :class:`QuantLinear`'s codes, or
+    ``codes[name]``), or a ``pack_*`` tuple from ``codes[name]``. A parameter shared by two modules
+    (tied embeddings) comes once, under its first name."""
+    from transformers.pytorch_utils import Conv1D
+
+    from .linear import QuantLinear
+    seen = set()
+    for mname, mod in model.named_modules():
+        pre = f"{mname}." if mname else ""
+        if isinstance(mod, QuantLinear):
+            yield pre + "weight", codes.get(pre + "weight", mod.quantized())
+            if mod.bias is not None:
+                yield pre + "bias", mod.bias.detach().float().cpu().numpy()
             continue
-        seen.add(id(p))
-        arr = p.detach().cpu().float().numpy()
-        if name in quantize:
-            if codes and name in codes:
-                tensors[name] = (packers[qtype](*map(np.asarray, codes[name])), qtype)
-            else:
-                tensors[name] = (gguf_quantize(arr, qtype), qtype)
+        for pname, p in mod.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            name = pre + pname
+            if name in codes:
+                yield name, codes[name]
+                continue
+            arr = p.detach().float().cpu().numpy()
+            if isinstance(mod, Conv1D) and pname == "weight":
+                arr = arr.T
+            yield name, np.ascontiguousarray(arr)
+
+
+def _encode(src, want: str) -> tuple[np.ndarray, str]:
+    """``(raw, type)`` of one 2-D tensor asked for as ``want``: :func:`fallback_type` picks the
+    type for its row length (given ``pack_*`` tuples have no fallback: they are blocks already)."""
+    if isinstance(src, tuple):
+        cols = np.asarray(src[0]).shape[1]
+        if want not in PACKERS or cols % block_size(want):
+            raise ValueError(f"codes given as {want} blocks need a {want} packer and rows "
+                             f"divisible by its block size, got {cols}")
+        return PACKERS[want](*map(np.asarray, src)), want
+    if isinstance(src, Quantized):
+        t = fallback_type(want, src.codes.shape[1])
+        if t in FLOAT_TYPES:
+            w = src.dequantize().float().cpu().numpy()
+            return (w if t == "F32" else w.astype(np.float16)), t
+        return PACKERS[t](*block_codes(src, t)), t
+    t = fallback_type(want, src.shape[1])
+    return gguf_quantize(src, t), t
+
+
+def export_model_gguf(model: nn.Module, path: str | Path, qtype: str = "Q4_0", tokenizer=None,
+                      codes: dict | None = None, quantize: list[str] | None = None,
+                      name: str | None = None, metadata: dict | None = None,
+                      tokenizer_pre: str | None = None) -> Path:
+    """Write a ``transformers`` Llama / Qwen2 / GPT-2 causal LM as a GGUF file that llama.cpp
+    and ``transformers`` (``gguf_file=``) load.
+
+    Which tensors are ``qtype``: the weights named in ``quantize`` (parameter names such as
+    ``model.layers.0.self_attn.q_proj.weight``), by default every 2-D weight inside the
+    transformer blocks (the attention and MLP projections; embeddings, the LM head, norms and
+    biases are not quantized, as everywhere in this project), plus every tensor given in
+    ``codes`` and every :class:`QuantLinear`. Their source, in order:
+
+    - ``codes[name]``: a :class:`Quantized` (RTN, GPTQ, GSQ, :func:`~.grid.ternary_quantized`),
+      packed bit-exactly by :func:`block_codes`, or a ``pack_*`` tuple such as ``(levels, d)``;
+    - a :class:`QuantLinear`'s own codes and scales (packed the same way);
+    - else the float weight, quantized by gguf-py's numpy quantizer (:func:`gguf_quantize`).
+
+    A tensor whose rows ``qtype``'s block size does not divide is written as
+    :func:`fallback_type` says (llama.cpp's rule: TQ1_0/TQ2_0 -> Q4_0 -> F16). The other 2-D
+    tensors (embeddings, an untied LM head) and every 1-D tensor (norms, biases) are F32; a tied
+    LM head is not written (llama.cpp and transformers reuse ``token_embd``). Llama's q and k rows
+    are permuted as llama.cpp's converter does. ``tokenizer`` (the zoo's byte-level BPE) is
+    required: both runtimes read the vocabulary from the file. ``metadata`` adds string, int,
+    float or bool keys (e.g. ``workbench.method``).
+    """
+    import gguf
+    if tokenizer is None:
+        raise ValueError("pass tokenizer=: llama.cpp and transformers read the vocabulary from "
+                         "the file")
+    if qtype not in PACKERS and qtype not in GGUF_WRITABLE:
+        raise ValueError(f"cannot write {qtype}; writable: {GGUF_WRITABLE + ('Q3_K',)}")
+    config = model.config
+    arch = gguf_arch(config)
+    tmap = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    codes = dict(codes or {})
+    chosen = set(quantize) if quantize is not None else None
+    n_head, n_kv = config.num_attention_heads, getattr(config, "num_key_value_heads",
+                                                       config.num_attention_heads)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    writer.add_name(name or Path(getattr(config, "_name_or_path", "") or "workbench").name)
+    _add_hparams(writer, config, arch)
+    add_tokenizer(writer, tokenizer, config.vocab_size, tokenizer_pre)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype == "F32"
+                         else getattr(gguf.LlamaFileType, f"MOSTLY_{qtype}",
+                                      gguf.LlamaFileType.GUESSED))
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for k, v in (metadata or {}).items():
+        _add_value(writer, k, v)
+    written = set()
+    for hf_name, src in _model_tensors(model, codes):
+        base, suffix = hf_name.rsplit(".", 1)
+        gname = tmap.get_name(base)
+        if gname is None:
+            raise KeyError(f"{hf_name}: no llama.cpp tensor name for it in gguf's "
+                           f"{gguf.MODEL_ARCH_NAMES[arch]} map")
+        gname = f"{gname}.{suffix}"
+        is_2d = not isinstance(src, np.ndarray) or src.ndim == 2
+        if hf_name in codes or isinstance(src, Quantized):
+            want = qtype
+        elif chosen is not None:
+            want = qtype if hf_name in chosen else "F32"
         else:
-            tensors[name] = arr
-    return write_gguf(path, tensors, metadata=metadata)
+            want = qtype if (is_2d and gname.startswith("blk.")) else "F32"
+        raw, t = _encode(src, want) if is_2d else (np.asarray(src, np.float32), "F32")
+        if arch == gguf.MODEL_ARCH.LLAMA and gname.split(".")[-2] in ("attn_q", "attn_k"):
+            heads = n_head if ".attn_q." in gname else n_kv
+            raw = raw[llama_permute_rows(raw.shape[0], heads)]
+        if t in FLOAT_TYPES[:2]:
+            writer.add_tensor(gname, np.ascontiguousarray(raw))
+        else:
+            writer.add_tensor(gname, np.ascontiguousarray(raw), raw_dtype=_qt(t))
+        written.add(hf_name)
+    if chosen is not None and chosen - written:
+        raise KeyError(f"not parameters of the model: {sorted(chosen - written)}")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _add_value(writer, key: str, v) -> None:
+    if isinstance(v, bool):
+        writer.add_bool(key, v)
+    elif isinstance(v, int):
+        writer.add_int64(key, v)
+    elif isinstance(v, float):
+        writer.add_float64(key, v)
+    else:
+        writer.add_string(key, str(v))
+
+
+def tensor_types(path: str | Path) -> dict[str, str]:
+    """``tensor name -> GGML type name`` of a GGUF file, read with ``gguf.GGUFReader``."""
+    import gguf
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
 
 
 def import_model_gguf(model: nn.Module, path: str | Path) -> nn.Module:
-    """Load a file written by :func:`export_model_gguf` into ``model`` (dequantized, in place)."""
+    """Load a file written by :func:`export_model_gguf` into ``model`` (same architecture and
+    shapes), dequantized with gguf-py, in place: the inverse of the export's names, Llama's q/k
+    permutation and GPT-2's transposes. Our reader; :func:`load_transformers` is the real one."""
+    import gguf
+    from transformers.pytorch_utils import Conv1D
+    config = model.config
+    arch = gguf_arch(config)
+    tmap = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     data = read_gguf(path)
-    params = dict(model.named_parameters())
+    n_head, n_kv = config.num_attention_heads, getattr(config, "num_key_value_heads",
+                                                       config.num_attention_heads)
+    mods = dict(model.named_modules())
+    done = set()
     with torch.no_grad():
-        for name, t in data.items():
-            if name not in params:
-                raise KeyError(f"GGUF tensor {name!r} is not a parameter of the model")
-            params[name].copy_(torch.from_numpy(t["values"]).reshape(params[name].shape))
+        for hf_name, p in model.named_parameters():
+            base, suffix = hf_name.rsplit(".", 1)
+            gname = f"{tmap.get_name(base)}.{suffix}"
+            if gname not in data:
+                raise KeyError(f"{hf_name}: {gname} is not in {path}")
+            v = data[gname]["values"]
+            if arch == gguf.MODEL_ARCH.LLAMA and gname.split(".")[-2] in ("attn_q", "attn_k"):
+                heads = n_head if ".attn_q." in gname else n_kv
+                v = v[np.argsort(llama_permute_rows(v.shape[0], heads))]
+            if isinstance(mods[base], Conv1D) and suffix == "weight":
+                v = v.T
+            p.copy_(torch.from_numpy(np.ascontiguousarray(v)).reshape(p.shape))
+            done.add(gname)
     return model
+
+
+# -- reading the files back with the real runtimes ----------------------------------------------
+
+def load_transformers(path: str | Path, dtype=torch.float32, config=None):
+    """``(model, tokenizer)`` from a GGUF file through ``transformers`` (``gguf_file=``; needs
+    ``accelerate``): its own dequantizer, tensor-name map and inverse q/k permutation.
+
+    For GPT-2, transformers' GGUF config mapping reads ``gpt2.context_length`` as ``n_ctx`` and
+    ``gpt2.feed_forward_length`` under a name ``GPT2Config`` ignores, so a file whose
+    ``n_positions`` / ``n_inner`` are not GPT-2's defaults (1024, 4 x width) would load with the
+    wrong shapes; unless ``config`` is given, we read the config it parses and set those two from
+    the file's own keys.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    p = Path(path)
+    kw = dict(gguf_file=p.name)
+    if config is None:
+        meta = gguf_metadata(p)
+        if meta.get("general.architecture") == "gpt2":
+            config = AutoConfig.from_pretrained(str(p.parent), **kw)
+            config.n_positions = int(meta["gpt2.context_length"])
+            config.n_inner = int(meta["gpt2.feed_forward_length"])
+    if config is not None:
+        kw["config"] = config
+    model = AutoModelForCausalLM.from_pretrained(str(p.parent), dtype=dtype, **kw)
+    tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    return model.eval(), tok
+
+
+def have_llama_cpp() -> bool:
+    """Is ``llama-cpp-python`` (the optional ``[llama]`` extra) importable?"""
+    import importlib.util
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def llama_cpp_model(path: str | Path, n_ctx: int, threads: int = 1):
+    """A ``llama_cpp.Llama`` on ``path`` that keeps the logits of every position."""
+    from llama_cpp import Llama
+    return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
+                 logits_all=True, n_threads=threads, n_threads_batch=threads, verbose=False)
+
+
+def llama_cpp_logits(path: str | Path, blocks, threads: int = 1) -> np.ndarray:
+    """llama.cpp's logits (B, T, vocab) for (B, T) token ``blocks``, each block evaluated from an
+    empty KV cache, float32 as llama.cpp computes them (its CPU kernels quantize activations to
+    Q8_0 / Q8_K for the quantized matmuls)."""
+    blocks = np.asarray(blocks)
+    llm = llama_cpp_model(path, blocks.shape[1], threads)
+    out = np.empty((*blocks.shape, llm.n_vocab()), np.float32)
+    for i, row in enumerate(blocks):
+        llm.reset()
+        llm.eval([int(t) for t in row])
+        out[i] = np.asarray(llm.scores[: blocks.shape[1]], dtype=np.float32)
+    llm.close()
+    return out
+
+
+def logits_perplexity(logits, blocks) -> float:
+    """exp(mean next-token NLL) from (B, T, V) logits of (B, T) blocks (as ``zoo.perplexity``)."""
+    lg = torch.as_tensor(np.asarray(logits))[:, :-1].double()
+    y = torch.as_tensor(np.asarray(blocks))[:, 1:]
+    nll = torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), y.reshape(-1))
+    return float(torch.exp(nll))

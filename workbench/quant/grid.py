@@ -111,6 +111,16 @@ def absmean_ternary(w: torch.Tensor, eps: float = 1e-5):
     return torch.clamp(torch.round(w / gamma), -1, 1), gamma
 
 
+def ternary_quantized(w: torch.Tensor, eps: float = 1e-5) -> Quantized:
+    """BitNet b1.58's ternary weight as a :class:`Quantized`: levels ``{-1, 0, 1}`` (codes
+    ``level + 1``, zero 1) and the one per-tensor ``gamma`` as every row's single group scale, so
+    that ``dequantize()`` is ``gamma * q`` exactly and a GGUF export can pack it as TQ1_0/TQ2_0."""
+    q, gamma = absmean_ternary(w.detach(), eps)
+    out, cols = w.shape
+    return Quantized((q + 1).to(torch.int16), gamma.float().expand(out, 1).clone(),
+                     torch.ones(out, 1), 2, cols)
+
+
 def ste(x: torch.Tensor, qx: torch.Tensor) -> torch.Tensor:
     """Straight-through estimator: forward ``qx``, gradient of the identity.
 
