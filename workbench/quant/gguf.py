@@ -492,6 +492,8 @@ def _encode(src, want: str) -> tuple[np.ndarray, str]:
         return PACKERS[want](*map(np.asarray, src)), want
     if isinstance(src, Quantized):
         t = fallback_type(want, src.codes.shape[1])
+        if t == "Q3_K":
+            raise ValueError("Q3_K needs sub-block scales: give codes as (levels, sub_scales, d)")
         if t in FLOAT_TYPES:
             w = src.dequantize().float().cpu().numpy()
             return (w if t == "F32" else w.astype(np.float16)), t
@@ -686,6 +688,23 @@ def llama_cpp_logits(path: str | Path, blocks, threads: int = 1) -> np.ndarray:
         out[i] = np.asarray(llm.scores[: blocks.shape[1]], dtype=np.float32)
     llm.close()
     return out
+
+
+def llama_cpp_perplexity(path: str | Path, blocks, threads: int = 1) -> float:
+    """exp(mean next-token NLL) of (B, T) token ``blocks`` under llama.cpp (as ``zoo.perplexity``:
+    every block from an empty cache, each position predicting the next), one block at a time."""
+    blocks = np.asarray(blocks)
+    llm = llama_cpp_model(path, blocks.shape[1], threads)
+    total, count = 0.0, 0
+    for row in blocks:
+        llm.reset()
+        llm.eval([int(t) for t in row])
+        lg = torch.from_numpy(np.asarray(llm.scores[: len(row)], dtype=np.float32))[:-1].double()
+        total += float(torch.nn.functional.cross_entropy(lg, torch.from_numpy(row[1:]),
+                                                         reduction="sum"))
+        count += len(row) - 1
+    llm.close()
+    return float(np.exp(total / count))
 
 
 def logits_perplexity(logits, blocks) -> float:

@@ -29,8 +29,11 @@ class QuantLinear(nn.Module):
     change (a new tensor, or an in-place change of one: each bumps its version counter). While
     autograd records with ``scale.requires_grad``, every forward dequantizes afresh, so the scales
     get their gradient. (An in-place change through ``.data`` bypasses the version counter, so
-    call :meth:`invalidate` after one.)
+    call :meth:`invalidate` after one.) ``use_cache = False`` (on the class or one layer)
+    turns the cache off.
     """
+
+    use_cache: bool = True
 
     def __init__(self, q: Quantized, bias: torch.Tensor | None = None):
         super().__init__()
@@ -68,7 +71,7 @@ class QuantLinear(nn.Module):
 
     def cached_weight(self) -> torch.Tensor:
         """The dequantized weight, from the cache when nothing has changed."""
-        if torch.is_grad_enabled() and self.scale.requires_grad:
+        if not self.use_cache or (torch.is_grad_enabled() and self.scale.requires_grad):
             return self.dequantized()                  # autograd needs this forward's graph
         key = (_stamp(self.codes), _stamp(self.scale), _stamp(self.zero))
         if self._cached is None or not _same(self._cache_key, key):
