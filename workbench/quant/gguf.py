@@ -276,8 +276,9 @@ def pack_tq1_0(levels: np.ndarray, d: np.ndarray) -> np.ndarray:
 
 # -- which grids fit which blocks, and the rule for rows a block does not divide ----------------
 
-# what each block type holds exactly: value = d * level, one fp16 d per block. Q8_0's -128 is a
-# valid int8, but llama.cpp's SIMD dot products take its absolute value, so it is excluded.
+# what each block type holds exactly: value = d * level, one fp16 d per block. Q8_0 stores int8,
+# but llama.cpp's own quantizer writes only -127..127 (a symmetric range its SIMD kernels are
+# built and tested for), so -128 is refused rather than trusted.
 LEVEL_RANGE = {"Q4_0": (-8, 7), "Q8_0": (-127, 127), "TQ1_0": (-1, 1), "TQ2_0": (-1, 1)}
 PACKERS = {"Q4_0": pack_q4_0, "Q8_0": pack_q8_0, "TQ1_0": pack_tq1_0, "TQ2_0": pack_tq2_0,
            "Q3_K": pack_q3_k}
@@ -616,7 +617,6 @@ def import_model_gguf(model: nn.Module, path: str | Path) -> nn.Module:
     n_head, n_kv = config.num_attention_heads, getattr(config, "num_key_value_heads",
                                                        config.num_attention_heads)
     mods = dict(model.named_modules())
-    done = set()
     with torch.no_grad():
         for hf_name, p in model.named_parameters():
             base, suffix = hf_name.rsplit(".", 1)
@@ -630,7 +630,6 @@ def import_model_gguf(model: nn.Module, path: str | Path) -> nn.Module:
             if isinstance(mods[base], Conv1D) and suffix == "weight":
                 v = v.T
             p.copy_(torch.from_numpy(np.ascontiguousarray(v)).reshape(p.shape))
-            done.add(gname)
     return model
 
 
