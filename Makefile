@@ -11,7 +11,7 @@ PYTEST := $(PY) -m pytest -p no:cacheprovider
 # two workers, one per core; --dist loadfile keeps each notebook's cells in one kernel, in order
 XDIST := -n 2 --dist loadfile
 
-.PHONY: run test test-fast lab list new clean-notebooks clean
+.PHONY: run test test-fast zoo lab list new clean-notebooks clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,10 +20,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
-run: $(STAMP)  ## every notebook at smoke scale, then the report
+run: zoo  ## every notebook at smoke scale, then the report
 	$(VENV)/bin/workbench run --all --out runs/main
 
-test: $(STAMP)  ## unit tests, batch tests, and every notebook under nbval with strict claims
+zoo: $(STAMP)  ## every zoo backbone and the LoRA pool, built once into the cache (a no-op when cached)
+	$(VENV)/bin/workbench zoo build --all --jobs 2
+
+test: zoo  ## unit tests, batch tests, and every notebook under nbval with strict claims
 	$(PYTEST) $(XDIST) tests notebooks --nbval-lax --nbval-current-env
 
 test-fast: $(STAMP)  ## unit tests only: no notebooks, nothing marked slow (under a minute)
