@@ -197,14 +197,7 @@ def write_gguf(path: str | Path, tensors: dict, arch: str = "llama",
     path = Path(path)
     writer = gguf.GGUFWriter(str(path), arch)
     for k, v in (metadata or {}).items():
-        if isinstance(v, bool):
-            writer.add_bool(k, v)
-        elif isinstance(v, int):
-            writer.add_int64(k, v)
-        elif isinstance(v, float):
-            writer.add_float64(k, v)
-        else:
-            writer.add_string(k, str(v))
+        _add_value(writer, k, v)
     for name, t in tensors.items():
         if isinstance(t, tuple):
             raw, qtype = t
