@@ -5,7 +5,8 @@
   stages continue training the same adapter. Bytes: the LoRA factors.
 - **Replay**: sequential LoRA whose batches mix stored examples of the old tasks (half of
   each batch); bytes: the LoRA factors + the buffer's token ids (int16).
-- **MoE of LoRAs**: one expert per task (the pool's adapters) and a router on the frozen
+- **MoE of LoRAs**: one expert per task (the pool's adapters, or fresh LoRAs where the pool has
+  none) and a router on the frozen
   retrieval key (nearest task centroid, cosine after centring); bytes: experts + centroids. When
   the experts outgrow the budget the oldest is dropped.
 - **L2P-style prompt pool** (Wang et al. 2022, "Learning to Prompt for Continual Learning"): a
@@ -99,36 +100,49 @@ def set_lora_state(model, state: dict) -> None:
     set_peft_model_state_dict(model, state)
 
 
+def fresh_lora(model, seed: int, rank: int = 8, lora_scale: float = 2.0):
+    """A new ``peft`` LoRA on every projection of ``model`` (the pool's configuration)."""
+    from peft import LoraConfig, get_peft_model
+    from ..models import adapters as A
+    present = {n.split(".")[-1] for n, _ in model.named_modules()}
+    torch.manual_seed(seed)
+    cfg = LoraConfig(r=rank, lora_alpha=lora_scale * rank, lora_dropout=0.0,
+                     target_modules=[t for t in A.TARGETS if t in present], task_type="CAUSAL_LM")
+    return get_peft_model(model, cfg)
+
+
+def pool_state(pool, name: str) -> dict:
+    """The saved LoRA factors of the pool's adapter ``name``."""
+    from safetensors.torch import load_file
+    return load_file(str(pool.path(name) / "adapter_model.safetensors"))
+
+
 def sequential_lora(pool, base: str, stream: list[str], train_pairs: dict, steps: int,
                     batch: int, lr: float, seed: int, replay_per_task: int = 0,
-                    from_pool: bool = True, rank: int = 8, lora_scale: float = 2.0):
-    """``(peft_model, states, info)``: the LoRA after each stage of ``stream`` (cached).
+                    first: str | None = None, rank: int = 8, lora_scale: float = 2.0):
+    """``(peft_model, states, info)``: one LoRA after each stage of ``stream`` (cached).
 
-    ``from_pool``: stage 1 is the pool's adapter of the first task; else a fresh LoRA
-    (``rank``, ``lora_scale``) trained ``steps`` on it, as every later stage is. With
-    ``replay_per_task`` that many examples of each finished task join a replay buffer."""
-    from peft import LoraConfig, PeftModel, get_peft_model
-    from ..models import adapters as A, zoo
+    ``first``: the pool adapter that is stage 1 (what training a LoRA on the first task gives,
+    already cached); None trains a fresh LoRA (``rank``, ``lora_scale``) ``steps`` on it, as
+    every later stage is trained. With ``replay_per_task`` that many examples of each finished
+    task join a replay buffer that fills half of every later batch."""
+    from peft import PeftModel
+    from ..models import zoo
     model, tok = zoo.load(base, pool.scale)
-    if from_pool:
-        model = PeftModel.from_pretrained(model, pool.path(stream[0]), is_trainable=True)
+    if first is not None:
+        model = PeftModel.from_pretrained(model, pool.path(first), is_trainable=True)
     else:
-        present = {n.split(".")[-1] for n, _ in model.named_modules()}
-        torch.manual_seed(seed)
-        cfg = LoraConfig(r=rank, lora_alpha=lora_scale * rank, lora_dropout=0.0,
-                         target_modules=[t for t in A.TARGETS if t in present],
-                         task_type="CAUSAL_LM")
-        model = get_peft_model(model, cfg)
+        model = fresh_lora(model, seed, rank, lora_scale)
     spec = {"pool": str(pool.dir.name), "base": base, "stream": stream, "steps": steps,
-            "batch": batch, "lr": lr, "seed": seed, "replay": replay_per_task,
-            "from_pool": from_pool, "rank": rank, "lora_scale": lora_scale,
-            "data": {t: len(p) for t, p in train_pairs.items()}}
-    buffers = []
+            "batch": batch, "lr": lr, "seed": seed, "replay": replay_per_task, "first": first,
+            "rank": rank, "lora_scale": lora_scale,
+            "data": {t: [len(train_pairs[t]), sum(len(i) for i, _ in train_pairs[t])]
+                     for t in stream}}
 
     def build():
-        states, buf = [], []
+        states, buf, buffers = [], [], []
         for t, task in enumerate(stream):
-            if t > 0 or not from_pool:
+            if t > 0 or first is None:
                 train_steps(model, train_pairs[task], steps, batch, lr, seed + 1000 * t,
                             buf or None, tok.pad_token_id)
             states.append(lora_state(model))
@@ -139,13 +153,33 @@ def sequential_lora(pool, base: str, stream: list[str], train_pairs: dict, steps
             buffers.append(sum(len(ids) for ids, _ in buf) * K.TOKEN_BYTES)
         return {"states": states, "buffer_bytes": buffers}
 
-    kind = "replay" if replay_per_task else ("seqlora" if from_pool else "seqlora-fresh")
+    kind = ("replay" if replay_per_task else "seqlora") + ("" if first else "-fresh")
     got = cached_states(kind, spec, build)
-    n_train = sum(1 for t in range(len(stream)) if t > 0 or not from_pool)
+    n_train = sum(1 for t in range(len(stream)) if t > 0 or first is None)
     info = {"buffer_bytes": got["buffer_bytes"], "adapter_bytes": lora_bytes(model),
             "passes": 3 * steps * batch * n_train}
+    set_lora_state(model, got["states"][-1])
     model.eval()
     return model, tok, got["states"], info
+
+
+def moe_experts(pool, base: str, stream: list[str], train_pairs: dict, experts_from_pool,
+                steps: int, batch: int, lr: float, seed: int):
+    """``(peft_model, states, passes)``: one expert LoRA per task. ``experts_from_pool`` names
+    the pool adapter of each task (cached, no training); None trains a fresh one per task."""
+    from peft import PeftModel
+    from ..models import zoo
+    if experts_from_pool is not None:
+        model, _ = zoo.load(base, pool.scale)
+        model = PeftModel.from_pretrained(model, pool.path(experts_from_pool[0]))
+        return model.eval(), [pool_state(pool, f) for f in experts_from_pool], 0
+    states, passes, model = [], 0, None
+    for t, name in enumerate(stream):
+        model, _, st, info = sequential_lora(pool, base, [name], train_pairs, steps, batch, lr,
+                                             seed + t)
+        states.append(st[0])
+        passes += info["passes"]
+    return model, states, passes
 
 
 # -- MoE of LoRAs ----------------------------------------------------------------------------
