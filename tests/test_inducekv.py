@@ -278,3 +278,39 @@ def test_moe_router_picks_the_nearest_centroid():
     names, c = KB.centroids(keys)
     assert names == ["a", "b"]
     assert KB.route(torch.tensor([[2.0, 0.1], [0.1, 3.0]]), c).tolist() == [0, 1]
+
+
+def test_cached_states_build_once_per_spec(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))
+    calls = []
+
+    def build():
+        calls.append(1)
+        return {"states": [{"w": torch.ones(2) * len(calls)}]}
+    a = KB.cached_states("toy", {"x": 1}, build)
+    b = KB.cached_states("toy", {"x": 1}, build)
+    c = KB.cached_states("toy", {"x": 2}, build)
+    assert len(calls) == 2 and torch.equal(a["states"][0]["w"], b["states"][0]["w"])
+    assert not torch.equal(a["states"][0]["w"], c["states"][0]["w"])
+    assert KB.cache_path("toy", {"x": 1}) != KB.cache_path("toy", {"x": 2})
+
+
+def test_lora_training_leaves_the_backbone_weights_unchanged(tiny):
+    """The PEFT baselines train only LoRA factors: the base weights inside the PeftModel hash
+    the same before and after (what C2 checks for every method)."""
+    import copy
+    model, tok = tiny
+    base = copy.deepcopy(model)
+    pm = KB.fresh_lora(base, seed=0, rank=2)
+    exs = tasks.generate("sort", 16, seed=0, difficulty=3)
+    from workbench.data import packing
+    pairs = packing.encode(tok, [e.prompt for e in exs], [e.completion() for e in exs])
+    before = {k: v.clone() for k, v in KB.lora_state(pm).items()}
+    KB.train_steps(pm, pairs, steps=3, batch=4, lr=1e-2, seed=0)
+    after = KB.lora_state(pm)
+    assert any(not torch.equal(before[k], after[k]) for k in before)      # LoRA moved
+    base_w = {n: p for n, p in pm.get_base_model().named_parameters() if "lora_" not in n}
+    orig = dict(model.named_parameters())
+    for n, p in base_w.items():
+        key = n.replace(".base_layer", "")
+        assert torch.equal(p, orig[key]), n
