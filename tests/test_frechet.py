@@ -99,6 +99,27 @@ def test_fisher_merge_is_the_flat_frechet_mean():
     assert (closed - sum(thetas) / 3).abs().max() > 0.1
 
 
+def test_mlp_fisher_matches_per_sample_autograd():
+    from torch.func import grad, vmap
+    g = torch.Generator().manual_seed(3)
+    layers = _mlp(g, (4, 5, 3))
+    x = torch.randn(7, 4, generator=g, dtype=torch.float64)
+    shapes = [t.shape for wb in layers for t in wb]
+    theta = torch.cat([t.reshape(-1) for wb in layers for t in wb])
+
+    def logp(th, xi, c):
+        parts, i = [], 0
+        for sh in shapes:
+            parts.append(th[i: i + sh.numel()].view(sh))
+            i += sh.numel()
+        return torch.log_softmax(_forward(list(zip(parts[::2], parts[1::2])), xi[None]), -1)[0, c]
+
+    p = torch.softmax(_forward(layers, x), -1)
+    ref = sum((p[:, c:c + 1] * vmap(grad(logp), (None, 0, None))(theta, x, c) ** 2).mean(0)
+              for c in range(3))
+    assert torch.allclose(fr.mlp_diag_fisher(layers, x), ref, atol=1e-12)
+
+
 def _mlp(gen, sizes=(5, 7, 6, 3)):
     return [(torch.randn(o, i, generator=gen, dtype=torch.float64),
              torch.randn(o, generator=gen, dtype=torch.float64)) for i, o in zip(sizes, sizes[1:])]

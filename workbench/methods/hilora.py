@@ -140,6 +140,7 @@ class RocHooks:
     def __init__(self, model, factors: list[dict]):
         self.n, self.rank = len(factors), next(iter(factors[0].values()))[0].shape[1]
         self.mode, self.w, self.k, self.top, self.active = "off", None, None, 1, {}
+        self.allowed = torch.ones(self.n, dtype=torch.bool)
         self.handles = []
         for name in factors[0]:
             mod = model.get_submodule(name)
@@ -155,9 +156,12 @@ class RocHooks:
         self.w = torch.as_tensor(np.asarray(w), dtype=torch.float32)
         self.k = torch.as_tensor(np.asarray(k), dtype=torch.long)
 
-    def set_arrow(self, top: int = 1) -> None:
-        """Arrow-style per-token routing over all LoRAs (top ``top`` prototypes, softmax)."""
+    def set_arrow(self, top: int = 1, allowed=None) -> None:
+        """Arrow-style per-token routing over the ``allowed`` LoRAs (default all): the top ``top``
+        prototypes by |v_j^T x|, softmax-weighted."""
         self.mode, self.top = "arrow", top
+        self.allowed = torch.ones(self.n, dtype=torch.bool) if allowed is None else \
+            torch.as_tensor(np.asarray(allowed), dtype=torch.bool)
 
     def off(self) -> None:
         self.mode = "off"
@@ -182,7 +186,7 @@ class RocHooks:
                 gate = keep * self.w[:Bn, None, :, None]
             else:
                 # Arrow: per-token logits |v_j^T x|, top-k LoRAs, softmax over them
-                logits = (x @ protos.T).abs()                               # (B, T, N)
+                logits = (x @ protos.T).abs().masked_fill(~self.allowed, float("-inf"))
                 top = logits.topk(self.top, -1)
                 wts = torch.zeros_like(logits).scatter(-1, top.indices, top.values.softmax(-1))
                 gate = wts[..., None].expand(Bn, T, self.n, self.rank)
@@ -204,3 +208,24 @@ def whole_gates(choice: np.ndarray, n: int, rank: int) -> tuple[np.ndarray, np.n
     w = np.zeros((len(choice), n))
     w[np.arange(len(choice)), choice] = 1.0
     return w, (w > 0) * rank
+
+
+def generate_routed(model, tok, prompts: list[str], hooks: RocHooks | None = None, w=None, k=None,
+                    max_new_tokens: int = 16, batch: int = 64, min_new_tokens: int | None = None):
+    """Greedy completions (``transformers`` ``generate`` with its KV cache) of ``prompts``, each
+    row routed by its own gates ``w[i], k[i]`` (None: whatever mode ``hooks`` is in). Cut at
+    ``<eos>``."""
+    device = next(model.parameters()).device
+    tok.padding_side = "left"
+    outs = []
+    with torch.no_grad():
+        for i in range(0, len(prompts), batch):
+            if hooks is not None and w is not None:
+                hooks.set_gates(np.asarray(w)[i: i + batch], np.asarray(k)[i: i + batch])
+            enc = tok([tok.bos_token + p for p in prompts[i: i + batch]], return_tensors="pt",
+                      padding=True, add_special_tokens=False).to(device)
+            gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                 min_new_tokens=min_new_tokens, pad_token_id=tok.pad_token_id,
+                                 eos_token_id=tok.eos_token_id)
+            outs += tok.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    return outs
