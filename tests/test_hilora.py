@@ -49,6 +49,8 @@ def test_all_rocs_on_reproduce_each_lora_and_fewer_do_not(tiny):
                 assert torch.allclose(got, want, atol=1e-5)
                 hooks.set_gates(w, k // 2)            # half the ROCs: a different function
                 assert (base(input_ids=x).logits - want).abs().max() > 1e-3
+                # token level: exactly k = 2 ROCs of LoRA j active at every token and module
+                assert all(bool((a == 2).all()) for a in hooks.active.values())
         with torch.no_grad():
             hooks.off()
             plain = base(input_ids=x).logits
@@ -67,6 +69,7 @@ def test_gaussian_loglik_matches_scipy():
     ll = hl.log_likelihoods(q, gs)
     for j, (mu, cov) in enumerate(gs):
         assert np.allclose(ll[:, j], multivariate_normal(mu, cov).logpdf(q))
+    assert np.isfinite(hl.log_likelihoods(q, hl.fit_gaussians([xs[0][:2]]))).all()   # n = 2 < d
 
 
 def test_selection_picks_the_generating_component():

@@ -168,10 +168,11 @@ def frechet_quotient(zs: list[torch.Tensor], weights=None, iters: int = 50, tol:
 
 
 def merge_quotient(pairs: list[tuple[torch.Tensor, torch.Tensor]], weights=None,
-                   iters: int = 50) -> tuple[tuple[torch.Tensor, torch.Tensor], list[float]]:
+                   iters: int = 50, tol: float = 1e-10
+                   ) -> tuple[tuple[torch.Tensor, torch.Tensor], list[float]]:
     """Frechet merge of LoRAs ``[(B_i, A_i)]`` of one module on the quotient: ``((B, A), history)``."""
     m = pairs[0][0].shape[0]
-    z, hist = frechet_quotient([balanced(b, a) for b, a in pairs], weights, iters)
+    z, hist = frechet_quotient([balanced(b, a) for b, a in pairs], weights, iters, tol)
     return unstack(z, m), hist
 
 

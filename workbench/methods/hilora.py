@@ -66,14 +66,17 @@ def prompt_features(model, tok, prompts: list[str], layer: int = -1, batch: int 
     return torch.cat(feats)
 
 
-def fit_gaussians(groups: list[torch.Tensor]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """One Gaussian (mean, Ledoit-Wolf shrunk covariance) per group of (n_j, d) features."""
+def fit_gaussians(groups: list[torch.Tensor], ridge: float = 1e-3) -> list[tuple[np.ndarray, np.ndarray]]:
+    """One Gaussian (mean, Ledoit-Wolf shrunk covariance) per group of (n_j, d) features. With very
+    few samples Ledoit-Wolf may shrink too little to stay invertible, so ``ridge`` times the mean
+    variance is added to the diagonal."""
     from sklearn.covariance import LedoitWolf
     out = []
     for x in groups:
         x = np.asarray(x, dtype=np.float64)
         lw = LedoitWolf().fit(x)
-        out.append((lw.location_, lw.covariance_))
+        cov = lw.covariance_
+        out.append((lw.location_, cov + ridge * np.trace(cov) / len(cov) * np.eye(len(cov))))
     return out
 
 
@@ -151,10 +154,16 @@ class RocHooks:
 
     def set_gates(self, w, k) -> None:
         """Per-sequence routing: ``w`` (B, N) LoRA weights, ``k`` (B, N) ROCs per LoRA (r: all,
-        the whole LoRA; 0: off). Row i of the next batches gets row i's routing."""
+        the whole LoRA; 0: off). Row i of the next batches gets row i's routing. Only the LoRAs
+        some row uses are computed, and the token-level ranking only runs when some k is partial."""
         self.mode = "gates"
-        self.w = torch.as_tensor(np.asarray(w), dtype=torch.float32)
-        self.k = torch.as_tensor(np.asarray(k), dtype=torch.long)
+        w = torch.as_tensor(np.asarray(w), dtype=torch.float32)
+        k = torch.as_tensor(np.asarray(k), dtype=torch.long)
+        w = w * (k > 0)
+        self.sel = torch.nonzero((w != 0).any(0)).flatten()             # the LoRAs in use
+        self.w, self.k = w[:, self.sel], k[:, self.sel]
+        self.partial = bool(((self.k > 0) & (self.k < self.rank)).any())
+        self.cache = {}
 
     def set_arrow(self, top: int = 1, allowed=None) -> None:
         """Arrow-style per-token routing over the ``allowed`` LoRAs (default all): the top ``top``
@@ -176,23 +185,34 @@ class RocHooks:
             if self.mode == "off":
                 return out
             x = inputs[0]
-            h = x @ a_all.T                                                 # (B, T, N r)
-            Bn, T = h.shape[:2]
-            hs = h.view(Bn, T, self.n, self.rank)
+            Bn, T = x.shape[:2]
             if self.mode == "gates":
-                # token level: rank each ROC by |a_i^T x| inside its LoRA, keep the top k_j
-                order = hs.abs().argsort(-1, descending=True).argsort(-1)
-                keep = order < self.k[:Bn, None, :, None]
-                gate = keep * self.w[:Bn, None, :, None]
-            else:
-                # Arrow: per-token logits |v_j^T x|, top-k LoRAs, softmax over them
-                logits = (x @ protos.T).abs().masked_fill(~self.allowed, float("-inf"))
-                top = logits.topk(self.top, -1)
-                wts = torch.zeros_like(logits).scatter(-1, top.indices, top.values.softmax(-1))
-                gate = wts[..., None].expand(Bn, T, self.n, self.rank)
-                keep = gate > 0
-            self.active[name] = keep.sum(-1).detach()                      # ROCs per LoRA, token
-            return out + (hs * gate).reshape(Bn, T, -1) @ b_all.T
+                if not len(self.sel):
+                    return out
+                if name not in self.cache:                              # this batch's LoRAs only
+                    n_in, n_out = a_all.shape[1], b_all.shape[0]
+                    self.cache[name] = (
+                        a_all.view(self.n, self.rank, n_in)[self.sel].reshape(-1, n_in),
+                        b_all.view(n_out, self.n, self.rank)[:, self.sel].reshape(n_out, -1))
+                a, b = self.cache[name]
+                hs = (x @ a.T).view(Bn, T, len(self.sel), self.rank)     # a_i^T x per ROC
+                gate = self.w[:Bn, None, :, None].expand(Bn, T, -1, self.rank)
+                if self.partial:
+                    # token level: keep the k_j ROCs with the largest |a_i^T x| inside LoRA j
+                    mag = hs.abs()
+                    srt = mag.sort(-1, descending=True).values
+                    kk = self.k[:Bn, None, :, None].expand(Bn, T, -1, 1)
+                    kth = srt.gather(-1, (kk - 1).clamp(min=0))
+                    gate = gate * ((mag >= kth) & (kk > 0))
+                self.active[name] = (gate != 0).sum(-1).detach()          # ROCs per LoRA, token
+                return out + (hs * gate).reshape(Bn, T, -1) @ b.T
+            # Arrow: per-token logits |v_j^T x| over the allowed LoRAs, top-k, softmax over them
+            hs = (x @ a_all.T).view(Bn, T, self.n, self.rank)
+            logits = (x @ protos.T).abs().masked_fill(~self.allowed, float("-inf"))
+            top = logits.topk(self.top, -1)
+            wts = torch.zeros_like(logits).scatter(-1, top.indices, top.values.softmax(-1))
+            self.active[name] = ((wts > 0)[..., None] * self.rank).squeeze(-1).detach()
+            return out + (hs * wts[..., None]).reshape(Bn, T, -1) @ b_all.T
         return hook
 
 
