@@ -204,14 +204,14 @@ class RocHooks:
                     kk = self.k[:Bn, None, :, None].expand(Bn, T, -1, 1)
                     kth = srt.gather(-1, (kk - 1).clamp(min=0))
                     gate = gate * ((mag >= kth) & (kk > 0))
-                self.active[name] = (gate != 0).sum(-1).detach()          # ROCs per LoRA, token
+                self.active[name] = (gate != 0).detach()        # (B, T, LoRAs in use, r): ROCs on
                 return out + (hs * gate).reshape(Bn, T, -1) @ b.T
             # Arrow: per-token logits |v_j^T x| over the allowed LoRAs, top-k, softmax over them
             hs = (x @ a_all.T).view(Bn, T, self.n, self.rank)
             logits = (x @ protos.T).abs().masked_fill(~self.allowed, float("-inf"))
             top = logits.topk(self.top, -1)
             wts = torch.zeros_like(logits).scatter(-1, top.indices, top.values.softmax(-1))
-            self.active[name] = ((wts > 0)[..., None] * self.rank).squeeze(-1).detach()
+            self.active[name] = (wts > 0)[..., None].expand(Bn, T, self.n, self.rank).detach()
             return out + (hs * wts[..., None]).reshape(Bn, T, -1) @ b_all.T
         return hook
 
