@@ -5,6 +5,7 @@ import pytest
 
 from workbench.data import tasks
 from workbench.methods import hint_tuning as ht
+from workbench.models import finetune
 
 
 def test_label_state_least_guidance():
@@ -37,7 +38,8 @@ def test_sparse_hints_are_proper_prefixes_shortest_first():
         for h in hints:
             assert h == e.steps[:len(h)]
             # the rendered probe input with a sparse hint is a prefix of the full-hint input
-            assert full.startswith(ht.hint_prompt(e.prompt, h).rstrip(";").rstrip())
+            assert ht.hint_prompt(e.prompt, h).endswith(" =>")
+            assert full.startswith(ht.hint_prompt(e.prompt, h)[:-3])
     assert ht.sparse_hints(["only"]) == [] and ht.hint_prompt("1+2=", []) == "1+2="
 
 
@@ -97,31 +99,20 @@ def test_truncation_forces_an_answer_within_the_budget():
     assert torch is not None
 
 
-def test_cached_lora_trains_once_and_changes_the_model(tmp_path, monkeypatch):
-    torch = pytest.importorskip("torch")
-    from workbench.models import zoo
-    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))
-    exs = tasks.generate("pattern", 16, seed=0, difficulty=2)
-    prompts, comps = [e.prompt for e in exs], [e.completion() for e in exs]
-    s = ht.LoraSettings(rank=2, steps=3, batch=4)
-    m1, tok, info1 = ht.cached_lora("lm-micro", "smoke", prompts, comps, s)
-    m2, _, info2 = ht.cached_lora("lm-micro", "smoke", prompts, comps, s)
-    assert not info1["cached"] and info2["cached"] and info1["path"] == info2["path"]
-    _, _, info3 = ht.cached_lora("lm-micro", "smoke", prompts, comps[::-1], s)
-    assert info3["path"] != info1["path"]                # the key covers the training texts
-    base, _ = zoo.load("lm-micro")
-    ids = tok([tok.bos_token + prompts[0]], return_tensors="pt", add_special_tokens=False)
-    with torch.no_grad():
-        a, b = m1(**ids).logits, m2(**ids).logits
-        assert torch.equal(a, b)
-        assert not torch.allclose(a, base(**ids).logits)
+def test_reader_data_reads_prefixes_and_answers_directly():
+    prompts, comps = ht.reader_data(("add", "chain"), 5, seed=0)
+    assert len(prompts) == 5 * (4 + 5)
+    for p, c in zip(prompts, comps):
+        assert p.endswith(" =>") and "=>" not in c and ";" not in c
 
 
-def test_probe_labels_every_problem_and_agreement_needs_r_answer():
+def test_probe_labels_every_problem_and_agreement_needs_r_answer(tmp_path, monkeypatch):
     pytest.importorskip("torch")
-    from workbench.models import zoo
-    model, tok = zoo.load("lm-micro")
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))
     exs = tasks.generate("add", 4, seed=0, difficulty=2)
+    p, c = ht.reader_data(("add",), 4)
+    model, tok, _ = finetune.cached_lora("lm-micro", "smoke", p, c,
+                                         finetune.LoraSettings(rank=2, steps=2))
     r_comps = [e.completion(True) for e in exs]
     res = ht.probe(model, tok, exs, r_comps, max_new_tokens=4)
     assert len(res) == 4

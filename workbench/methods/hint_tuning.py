@@ -7,7 +7,10 @@ directly. The paper turns "how hard is this problem?" into a consistency check b
 1. R solves the problem: steps ``s_1 ; ... ; s_n => a_R`` (:func:`split_reasoning`).
 2. I is probed under growing guidance: no hint, a *sparse* hint (the first k steps of R's
    reasoning, k = 1, ..., n - 1, :func:`sparse_hints`) and the *full* hint (all n steps), each
-   rendered after the prompt (:func:`hint_prompt`).
+   rendered after the prompt and followed by the answer mark (:func:`hint_prompt`). A small
+   instruct model that has never seen steps cannot read them, so the hinted questions go to a
+   *hint reader* (:func:`hint_reader`): the instruct model with a LoRA trained on reference
+   problems with a random prefix of their steps and the bare answer as target.
 3. The problem's state is the least guidance under which I's answer equals a_R
    (:func:`label_state`): **No-Hint** (I agrees unaided), **Sparse-Hint** (the minimal prefix
    k* that makes it agree), **Full-Hint** (nothing shorter than the whole reasoning does).
@@ -21,20 +24,19 @@ accuracy-tokens Pareto frontier (:func:`frontier_at`). Tokens are always counted
 tokenizer (:func:`count_tokens`).
 
 Fine-tuned adapters are cached under ``cache_dir()/hint-tuning/`` keyed by a hash of the base
-model's key, the training texts and the settings (:func:`cached_lora`), so a notebook never
-retrains what it has trained before; so is the smaller reasoning model of C4
-(:func:`small_reasoning`), built by the zoo's own machinery from a recipe defined here.
+model's key, the training texts and the settings
+(:func:`workbench.models.finetune.cached_lora`), so a notebook never retrains what it has
+trained before; so is the smaller reasoning model of C4 (:func:`small_reasoning`), built by the
+zoo's own machinery from a recipe defined here.
 """
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import shutil
-from dataclasses import asdict, dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass, replace
 
 from ..data.tasks import ANSWER_MARK, STEP_SEP, final_answer
+from ..models.finetune import LoraSettings, cached_lora
+
+GROUP = "hint-tuning"      # this notebook's folder of cached fine-tunes under the cache
 
 NO_HINT, SPARSE_HINT, FULL_HINT = 0, 1, 2
 STATES = ("No-Hint", "Sparse-Hint", "Full-Hint")
@@ -67,11 +69,11 @@ def sparse_hints(steps: list[str]) -> list[list[str]]:
 
 
 def hint_prompt(prompt: str, hint: list[str]) -> str:
-    """The probe's input: the prompt, then the hint steps as the start of the completion and an
-    open step separator, so the instruct model continues from them (no hint: the bare prompt)."""
+    """The probe's input: the prompt, then the hint steps and the answer mark, so that the
+    instruct model answers right after them (no hint: the bare prompt)."""
     if not hint:
         return prompt
-    return prompt + " " + STEP_SEP.join(hint) + STEP_SEP.rstrip()
+    return prompt + " " + STEP_SEP.join(hint) + f" {ANSWER_MARK}"
 
 
 def label_state(direct: bool, sparse: list[bool], full: bool) -> tuple[int, int | None]:
@@ -118,20 +120,24 @@ class Probe:
     k: int | None
 
 
-def probe(instruct, tok, examples, r_completions: list[str], max_new_tokens: int = 48) -> list[Probe]:
+def probe(reader, tok, examples, r_completions: list[str], max_new_tokens: int = 8) -> list[Probe]:
     """Label every problem (:func:`label_state`) from R's completions and the instruct model's
-    greedy answers under no hint, every sparse prefix and the full hint (one batched
-    ``generate`` over all probe inputs)."""
+    greedy answers: unaided (``reader`` with its adapter disabled: the instruct model itself) and
+    under every sparse prefix and the full hint (the hint reader, :func:`hint_reader`), each in one
+    batched ``generate``."""
     from ..models.zoo import generate
     parsed = [split_reasoning(c) for c in r_completions]
+    with reader.disable_adapter():
+        direct = generate(reader, tok, [e.prompt for e in examples], max_new_tokens)
     inputs, owner = [], []
     for i, (e, (steps, _)) in enumerate(zip(examples, parsed)):
-        for h in [[]] + sparse_hints(steps) + ([steps] if steps else []):
+        for h in sparse_hints(steps) + ([steps] if steps else []):
             inputs.append(hint_prompt(e.prompt, h))
             owner.append(i)
-    outs = generate(instruct, tok, inputs, max_new_tokens=max_new_tokens)
-    agree: list[list[bool]] = [[] for _ in examples]
-    for i, o in zip(owner, outs):
+    hinted = generate(reader, tok, inputs, max_new_tokens) if inputs else []
+    agree: list[list[bool]] = [[final_answer(d) == a and a != ""]
+                               for d, (_, a) in zip(direct, parsed)]
+    for i, o in zip(owner, hinted):
         agree[i].append(final_answer(o) == parsed[i][1] and parsed[i][1] != "")
     res = []
     for (steps, ans), a in zip(parsed, agree):
@@ -139,6 +145,27 @@ def probe(instruct, tok, examples, r_completions: list[str], max_new_tokens: int
         state, k = label_state(a[0], sparse, full)
         res.append(Probe(steps, ans, a[0], sparse, full, state, k))
     return res
+
+
+def reader_data(families, n_per_level: int, seed: int = 0) -> tuple[list[str], list[str]]:
+    """Training pairs for the hint reader: reference problems of ``families`` (the registry's
+    solver, the train side of :func:`workbench.data.tasks.problem_split`, never R's outputs),
+    each with a random prefix of k = 1..n of its steps after the prompt and its answer as the
+    target. The reader learns to *read* steps, never to write them."""
+    import random
+    from ..data import tasks
+    rng = random.Random(seed)
+    prompts, comps = [], []
+    for f in families:
+        for d in tasks.get(f).difficulties:
+            train, _ = tasks.problem_split(f, d)
+            for e in rng.sample(train, min(n_per_level, len(train))):
+                if not e.steps:
+                    continue
+                k = rng.randint(1, len(e.steps))
+                prompts.append(hint_prompt(e.prompt, e.steps[:k]))
+                comps.append(" " + e.target)
+    return prompts, comps
 
 
 # -- decoding and evaluation ------------------------------------------------------------------
@@ -201,106 +228,15 @@ def frontier_at(points: list[tuple[float, float]], x: float) -> float:
     return mono[-1][1]
 
 
-# -- fine-tuning (peft LoRA), cached ----------------------------------------------------------
-
-@dataclass(frozen=True)
-class LoraSettings:
-    """LoRA fine-tuning of R on (prompt, completion) pairs."""
-    rank: int = 8            # LoRA rank on every attention and MLP projection
-    scale: float = 2.0       # alpha / r (peft: lora_alpha = scale * rank)
-    steps: int = 150         # AdamW steps
-    batch: int = 32          # examples per step
-    lr: float = 3e-3         # AdamW, linear decay to 10%
-    seed: int = 0            # init of A and the batch order
-
-
-def _cache_root() -> Path:
-    from ..env import cache_dir
-    p = cache_dir() / "hint-tuning"
-    p.mkdir(parents=True, exist_ok=True)
-    return p
-
-
-def cache_key(*parts) -> str:
-    """A content key: sha1 of the JSON of ``parts`` (settings, model keys, training texts)."""
-    return hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-
-def _atomic_build(path: Path, build) -> Path:
-    """Run ``build(tmp)`` once under a file lock, then rename ``tmp`` to ``path`` (the zoo's way:
-    concurrent callers build once, a half-written result is never read)."""
-    from filelock import FileLock
-    if (path / "done.json").exists():
-        return path
-    with FileLock(str(path) + ".lock"):
-        if (path / "done.json").exists():
-            return path
-        tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        info = build(tmp)
-        (tmp / "done.json").write_text(json.dumps(info or {}, indent=2, default=str))
-        os.rename(tmp, path)
-    return path
-
-
-def train_lora(model, tok, prompts: list[str], completions: list[str], s: LoraSettings):
-    """A ``peft`` LoRA on ``model``'s projections trained on the completions (labels on the
-    completion and ``<eos>`` only, :func:`workbench.data.packing.encode`); returns the
-    ``PeftModel`` in eval mode and the last losses."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from ..data import packing
-    from ..models.adapters import TARGETS
-    present = {n.split(".")[-1] for n, _ in model.named_modules()}
-    torch.manual_seed(s.seed)
-    pm = get_peft_model(model, LoraConfig(r=s.rank, lora_alpha=s.scale * s.rank, lora_dropout=0.0,
-                                          target_modules=[t for t in TARGETS if t in present],
-                                          task_type="CAUSAL_LM"))
-    pairs = packing.encode(tok, prompts, completions)
-    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=s.lr,
-                            weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 - 0.9 * min(i, s.steps) / s.steps)
-    g = torch.Generator().manual_seed(s.seed)
-    losses = []
-    pm.train()
-    for _ in range(s.steps):
-        idx = torch.randint(0, len(pairs), (min(s.batch, len(pairs)),), generator=g).tolist()
-        loss = pm(**packing.pad([pairs[i] for i in idx], tok.pad_token_id)).loss
-        loss.backward()
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-    return pm.eval(), losses[-10:]
-
-
-def cached_lora(base: str, scale: str, prompts: list[str], completions: list[str],
-                s: LoraSettings, tag: str = "lora", recipe=None, device: str = "cpu"):
-    """The zoo model ``base`` with a LoRA fine-tuned on ``(prompts, completions)``, trained once
-    and cached under a key of the base model's recipe key, the texts and ``s``. Returns
-    ``(PeftModel, tokenizer, info)``; ``info["cached"]`` says whether it was loaded."""
-    from peft import PeftModel
-    from ..models import zoo
-    r = zoo._recipe(base, recipe)
-    key = cache_key(r.key(scale), list(prompts), list(completions), asdict(s))
-    path = _cache_root() / f"{tag}-{base}-{scale}-{key}"
-    cached = (path / "done.json").exists()
-
-    def build(tmp):
-        import time
-        t0 = time.time()
-        m, tok_ = zoo.load(base, scale, recipe=recipe)
-        pm, last = train_lora(m, tok_, prompts, completions, s)
-        pm.save_pretrained(tmp / "adapter")
-        return {"train_seconds": round(time.time() - t0, 2), "final_losses": last,
-                "n_examples": len(prompts), "settings": asdict(s), "base_key": r.key(scale)}
-
-    _atomic_build(path, build)
-    model, tok = zoo.load(base, scale, recipe=recipe, device=device)
-    model = PeftModel.from_pretrained(model, path / "adapter").eval()
-    info = json.loads((path / "done.json").read_text())
-    return model, tok, {**info, "cached": cached, "path": str(path)}
+def hint_reader(instruct: str = "lm-instruct", scale: str = "smoke",
+                families=("add", "count", "chain"), n_per_level: int = 120,
+                s: LoraSettings = LoraSettings(steps=200), device: str = "cpu"):
+    """The instruct model taught to read a hint: a LoRA (cached) trained on :func:`reader_data`.
+    The zoo's instruct model has never seen written steps (fed a prefix of them it writes prose),
+    so a hint needs a reader; with the adapter disabled it is the instruct model unchanged, which
+    is how the probe asks the unaided question. Returns ``(PeftModel, tokenizer, info)``."""
+    prompts, comps = reader_data(families, n_per_level)
+    return cached_lora(instruct, scale, prompts, comps, s, tag="reader", group=GROUP, device=device)
 
 
 # -- the second reasoning model of C4 ---------------------------------------------------------

@@ -135,41 +135,69 @@ def low_rank_directions(model, n_dirs: int, rank: int, seed: int) -> list[dict]:
     return dirs
 
 
-def masked_losses(model, batch: dict, mask) -> "np.ndarray":
-    """Per row, the mean next-token cross-entropy over the positions in ``mask`` (label
-    positions, as in ``labels``; the logits are shifted by one as in ``transformers``)."""
+def token_losses(model, batch: dict):
+    """Next-token cross-entropy at every position, ``(B, T)``: entry ``t`` is the loss of token
+    ``t`` given the ones before it (0 at ``t = 0``), so a label-aligned mask selects it."""
     import torch
     with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"]).logits[:, :-1].float()
-        y = batch["input_ids"][:, 1:]
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), y, reduction="none")
-        m = mask[:, 1:].float()
-        return ((nll * m).sum(1) / m.sum(1).clamp_min(1)).numpy()
+        logits = model(input_ids=batch["input_ids"], use_cache=False).logits[:, :-1].float()
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["input_ids"][:, 1:],
+                                                reduction="none")
+    return torch.nn.functional.pad(nll, (1, 0))
 
 
-def signatures(model, batches: list[dict], masks: list, dirs: list[dict],
-               scales: list[float]) -> "np.ndarray":
+def masked_losses(model, batch: dict, mask) -> "np.ndarray":
+    """Per row, the mean next-token cross-entropy over the positions in ``mask`` (label
+    positions, as in ``labels``)."""
+    return _reduce(token_losses(model, batch), mask)
+
+
+def _reduce(nll, mask) -> "np.ndarray":
+    m = mask.float()
+    return ((nll * m).sum(1) / m.sum(1).clamp_min(1)).cpu().numpy()
+
+
+def length_batches(pairs: list, size: int, pad_id: int, device=None) -> tuple[list[dict], "np.ndarray"]:
+    """``(ids, labels)`` pairs padded into batches of similar length (sorted by length, so little
+    compute goes to padding); returns the batches and ``order``, the pair index of each row in
+    batch order (``out[order] = rows`` puts per-row results back in pair order)."""
+    from ..data import packing
+    order = np.argsort([len(p[0]) for p in pairs], kind="stable")
+    batches = []
+    for i in range(0, len(order), size):
+        b = packing.pad([pairs[j] for j in order[i: i + size]], pad_id)
+        batches.append({k: v.to(device) for k, v in b.items()} if device is not None else b)
+    return batches, order
+
+
+def signatures(model, batches: list[dict], masks, dirs: list[dict], scales: list[float]):
     """The loss signatures, ``(n_traces, n_dirs, n_scales)``: each trace's masked loss with every
-    perturbed layer at ``W + sigma * Delta_j`` (weights restored after each)."""
+    perturbed layer at ``W + sigma * Delta_j`` (weights restored after each). ``masks`` is one
+    mask per batch, or a dict of such lists (several token samples read from the same forward
+    passes), which gives a dict of signatures."""
     import torch
+    named = masks if isinstance(masks, dict) else {"": masks}
     layers = perturbed_layers(model)
-    out = np.zeros((sum(len(b["input_ids"]) for b in batches), len(dirs), len(scales)))
+    n = sum(len(b["input_ids"]) for b in batches)
+    out = {k: np.zeros((n, len(dirs), len(scales))) for k in named}
     for j, d in enumerate(dirs):
         for s, sigma in enumerate(scales):
-            saved = {n: layers[n].weight.detach().clone() for n in d}
+            saved = {name: layers[name].weight.detach().clone() for name in d}
             try:
                 with torch.no_grad():
-                    for n, delta in d.items():
-                        layers[n].weight.add_(sigma * delta)
+                    for name, delta in d.items():
+                        layers[name].weight.add_(sigma * delta.to(layers[name].weight.device))
                 row = 0
-                for b, m in zip(batches, masks):
-                    out[row: row + len(m), j, s] = masked_losses(model, b, m)
-                    row += len(m)
+                for i, b in enumerate(batches):
+                    nll = token_losses(model, b)
+                    for k, ms in named.items():
+                        out[k][row: row + len(nll), j, s] = _reduce(nll, ms[i])
+                    row += len(nll)
             finally:
                 with torch.no_grad():
-                    for n, w in saved.items():
-                        layers[n].weight.copy_(w)
-    return out
+                    for name, w in saved.items():
+                        layers[name].weight.copy_(w)
+    return out if isinstance(masks, dict) else out[""]
 
 
 # -- difficulty: the inflection point ---------------------------------------------------------
@@ -251,16 +279,13 @@ def teacher_scores(pred, teachers) -> dict:
 def sequence_scores(model, tok, prompts: list[str], completions: list[str],
                     batch: int = 128) -> "np.ndarray":
     """A judge's score of each completion: its mean token log-likelihood under ``model``."""
-    import torch
     from ..data import packing
     pairs = packing.encode(tok, prompts, completions)
-    out = []
-    for i in range(0, len(pairs), batch):
-        b = packing.pad(pairs[i: i + batch], tok.pad_token_id)
-        mask = b["labels"] != -100
-        out.append(-masked_losses(model, b, mask))
-    assert torch is not None
-    return np.concatenate(out)
+    device = next(model.parameters()).device
+    batches, order = length_batches(pairs, batch, tok.pad_token_id, device)
+    out = np.zeros(len(pairs))
+    out[order] = np.concatenate([-masked_losses(model, b, b["labels"] != -100) for b in batches])
+    return out
 
 
 def generate_then_filter(teacher, judge, tok, examples, n_candidates: int, seed: int,
@@ -276,6 +301,7 @@ def generate_then_filter(teacher, judge, tok, examples, n_candidates: int, seed:
         for i in range(0, len(examples), batch):
             chunk = [tok.bos_token + e.prompt for e in examples[i: i + batch]]
             enc = tok(chunk, return_tensors="pt", padding=True, add_special_tokens=False)
+            enc = {k: v.to(next(teacher.parameters()).device) for k, v in enc.items()}
             gen = teacher.generate(**enc, max_new_tokens=max_new_tokens, do_sample=True,
                                    top_k=0, num_return_sequences=n_candidates,
                                    pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
