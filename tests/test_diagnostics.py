@@ -155,3 +155,20 @@ def test_growth_rate_and_tracker():
     assert list(tr["loss"]) == [1.0, 0.5, pytest.approx(1 / 3)] and "loss" in tr
     assert list(tr.frame().columns) == ["step", "loss"]
     assert d.global_norm([torch.tensor([3.0]), torch.tensor([4.0])]) == pytest.approx(5.0)
+
+
+def test_spearman_ci_matches_scipy_and_brackets_rho():
+    from scipy import stats
+    from workbench.diagnostics import spearman_ci
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=200)
+    y = x + rng.normal(size=200)
+    r = spearman_ci(x, y, n_resamples=500, seed=1)
+    assert r["rho"] == pytest.approx(stats.spearmanr(x, y).statistic)
+    assert r["low"] < r["rho"] < r["high"] and r["n"] == 200
+    # ranks only: a monotone transform of either side changes nothing, the seed fixes the interval
+    assert spearman_ci(np.exp(x), y ** 3 + y, n_resamples=500, seed=1) == pytest.approx(
+        spearman_ci(x, y ** 3 + y, n_resamples=500, seed=1))
+    z = spearman_ci(x, rng.normal(size=200), n_resamples=500, seed=1)
+    assert z["low"] < 0 < z["high"]                     # independent: the interval covers 0
+    assert np.isnan(spearman_ci(np.ones(10), x[:10])["rho"])

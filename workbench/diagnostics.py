@@ -6,6 +6,7 @@
 - norm / mean trackers over training
 - singular-component ablation of a weight matrix, with an equal-norm random control
 - Hutchinson estimate of the Hessian trace (Hutchinson 1989; as in PyHessian)
+- Spearman rank correlation with a paired bootstrap interval (scipy.stats)
 
 All functions take torch tensors (numpy arrays where noted) and never train anything.
 """
@@ -224,3 +225,28 @@ def hutchinson_trace(loss: torch.Tensor, params, n_samples: int = 8,
             est[i] += float((h * v).sum())
     est = [e / n_samples for e in est]
     return est if per_tensor else sum(est)
+
+
+# -- rank correlation --------------------------------------------------------------------------
+def spearman_ci(x, y, n_resamples: int = 1000, confidence: float = 0.95, seed: int = 0) -> dict:
+    """Spearman's rho of paired ``x, y`` (``scipy.stats.spearmanr``) and its percentile
+    bootstrap interval: pairs resampled with replacement, re-ranked per resample
+    (``scipy.stats.rankdata``, ties averaged), Pearson of the ranks, all resamples at once.
+
+    Returns ``{"rho", "low", "high", "n"}``; all NaN when either side is constant."""
+    from scipy import stats
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    if x.shape != y.shape or x.ndim != 1:
+        raise ValueError(f"x and y must be 1-D of one length, got {x.shape} and {y.shape}")
+    nan = float("nan")
+    if len(x) < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
+        return {"rho": nan, "low": nan, "high": nan, "n": len(x)}
+    rho = float(stats.spearmanr(x, y).statistic)
+    idx = np.random.default_rng(seed).integers(0, len(x), (n_resamples, len(x)))
+    rx, ry = stats.rankdata(x[idx], axis=1), stats.rankdata(y[idx], axis=1)
+    rx, ry = rx - rx.mean(1, keepdims=True), ry - ry.mean(1, keepdims=True)
+    den = np.sqrt((rx ** 2).sum(1) * (ry ** 2).sum(1))
+    boot = (rx * ry).sum(1)[den > 0] / den[den > 0]        # a constant resample has no rho
+    a = (1 - confidence) / 2
+    return {"rho": rho, "low": float(np.quantile(boot, a)), "high": float(np.quantile(boot, 1 - a)),
+            "n": len(x)}

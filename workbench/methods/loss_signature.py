@@ -1,0 +1,314 @@
+"""Predicting reasoning-data quality from low-rank loss signatures (paper 18,
+``papers/18-loss-signature-curation.md``).
+
+The paper's view: a pretrained LM, briefly adapted to the traces (a short ``peft`` LoRA run), sits
+in a low-rank, anisotropic loss basin. Probe the basin with a fixed set of random low-rank weight
+perturbations ``W + sigma * Delta_j`` (:func:`low_rank_directions`), ``Delta_j = U_j V_j^T``
+scaled to ``||W||_F``, at several scales ``sigma``, and read each trace's loss on only a small
+fraction of its tokens (:func:`subsample_mask`). A trace's **loss signature** is the array
+``L[j, s]`` of those losses (:func:`signatures`). Two uses:
+
+- **difficulty**: the mean curve ``sigma -> mean_j L[j, sigma]`` rises from the basin floor and
+  bends over as the perturbation swamps the model; the loss at the curve's **inflection point**
+  (where the discrete second derivative changes sign, :func:`inflection`) is the difficulty
+  proxy;
+- **diversity**: signatures cluster by the trace's latent category (``sklearn`` k-means,
+  NMI against the categories, :func:`cluster_nmi`); a subset is picked round-robin across clusters,
+  hardest first in each (:func:`select_subset`).
+
+A teacher-selection criterion from the same signatures (:func:`teacher_scores`): the teacher whose
+traces sit lowest in the basin (smallest mean inflection loss) writes the most learnable traces.
+
+The baseline of curation cost is generate-then-filter (:func:`generate_then_filter`): sample
+candidate traces from a teacher model and score each with a judge model (its mean token
+log-likelihood), keeping the best per problem.
+
+Teachers (:func:`solver_traces`, :func:`model_traces`): the task registry's rule-based solver
+with a controlled share of corrupted traces (one step's result and the answer altered), and zoo
+models writing their own steps.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..data.tasks import STEP_SEP
+
+
+@dataclass
+class Trace:
+    """One reasoning trace in the pool: a problem, a teacher's completion and what we know."""
+    prompt: str
+    completion: str
+    family: str          # the latent category
+    difficulty: int
+    teacher: str
+    correct: bool        # the verifier's verdict on the completion's final answer
+
+
+# -- teachers ---------------------------------------------------------------------------------
+
+def _corrupt(text: str, rng: random.Random) -> str:
+    """Change one digit of ``text`` (a step's result or the answer) to another digit."""
+    pos = [i for i, c in enumerate(text) if c.isdigit()]
+    if not pos:
+        return text + "1"
+    i = rng.choice(pos)
+    return text[:i] + rng.choice([d for d in "0123456789" if d != text[i]]) + text[i + 1:]
+
+
+def solver_traces(examples, noise: float, seed: int, name: str | None = None) -> list[Trace]:
+    """The rule-based solver's traces (the registry's reference steps); a share ``noise`` of them
+    corrupted: one step's result after its ``=`` and the final answer altered (a plausible,
+    wrong trace)."""
+    from ..data import tasks
+    rng = random.Random(seed)
+    out = []
+    for e in examples:
+        steps, answer = list(e.steps or []), e.target
+        if rng.random() < noise:
+            if steps:
+                j = rng.randrange(len(steps))
+                head, _, tail = steps[j].rpartition("=")
+                steps[j] = (head + "=" + _corrupt(tail, rng)) if head else _corrupt(steps[j], rng)
+            answer = _corrupt(answer, rng)
+        comp = (" " + STEP_SEP.join(steps) + " => " + answer) if steps else " " + answer
+        out.append(Trace(e.prompt, comp, e.family, e.difficulty, name or f"solver-{noise:g}",
+                         bool(tasks.score(e, comp))))
+    return out
+
+
+def model_traces(model, tok, examples, name: str, max_new_tokens: int = 48) -> list[Trace]:
+    """A zoo model's greedy traces of the problems (``transformers`` ``generate``)."""
+    from ..data import tasks
+    from ..models.zoo import generate
+    comps = [c.split("\n")[0] for c in generate(model, tok, [e.prompt for e in examples],
+                                                max_new_tokens=max_new_tokens)]
+    return [Trace(e.prompt, " " + c.strip(), e.family, e.difficulty, name, bool(tasks.score(e, c)))
+            for e, c in zip(examples, comps)]
+
+
+# -- token sub-sampling and perturbations -----------------------------------------------------
+
+def subsample_mask(labels, fraction: float, seed: int, min_tokens: int = 1):
+    """A boolean mask of the positions whose loss is read: per row, ``max(min_tokens,
+    round(fraction * n))`` of its ``n`` labelled positions (labels != -100), drawn without
+    replacement from a generator seeded by ``seed`` (the same rows give the same mask)."""
+    import torch
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.zeros_like(labels, dtype=torch.bool)
+    for i in range(labels.shape[0]):
+        pos = (labels[i] != -100).nonzero().flatten()
+        k = min(len(pos), max(min_tokens, int(round(fraction * len(pos)))))
+        mask[i, pos[torch.randperm(len(pos), generator=g)[:k]]] = True
+    return mask
+
+
+def perturbed_layers(model) -> dict:
+    """The block linears a perturbation moves (every attention and MLP projection), by name."""
+    import torch
+    from ..models.adapters import TARGETS
+    return {n: m for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in TARGETS}
+
+
+def low_rank_directions(model, n_dirs: int, rank: int, seed: int) -> list[dict]:
+    """``n_dirs`` fixed random directions, each a rank-``rank`` matrix ``U V^T`` (Gaussian
+    factors) per perturbed layer, scaled to that layer's ``||W||_F`` (so ``sigma`` is a relative
+    size). Deterministic for a seed."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    dirs = []
+    for _ in range(n_dirs):
+        d = {}
+        for name, m in sorted(perturbed_layers(model).items()):
+            w = m.weight
+            u = torch.randn(w.shape[0], rank, generator=g, dtype=torch.float64)
+            v = torch.randn(w.shape[1], rank, generator=g, dtype=torch.float64)
+            delta = u @ v.T
+            d[name] = (delta * (w.detach().double().norm() / delta.norm())).to(w.dtype)
+        dirs.append(d)
+    return dirs
+
+
+def token_losses(model, batch: dict):
+    """Next-token cross-entropy at every position, ``(B, T)``: entry ``t`` is the loss of token
+    ``t`` given the ones before it (0 at ``t = 0``), so a label-aligned mask selects it."""
+    import torch
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], use_cache=False).logits[:, :-1].float()
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["input_ids"][:, 1:],
+                                                reduction="none")
+    return torch.nn.functional.pad(nll, (1, 0))
+
+
+def masked_losses(model, batch: dict, mask) -> "np.ndarray":
+    """Per row, the mean next-token cross-entropy over the positions in ``mask`` (label
+    positions, as in ``labels``)."""
+    return _reduce(token_losses(model, batch), mask)
+
+
+def _reduce(nll, mask) -> "np.ndarray":
+    m = mask.float()
+    return ((nll * m).sum(1) / m.sum(1).clamp_min(1)).cpu().numpy()
+
+
+def length_batches(pairs: list, size: int, pad_id: int, device=None) -> tuple[list[dict], "np.ndarray"]:
+    """``(ids, labels)`` pairs padded into batches of similar length (sorted by length, so little
+    compute goes to padding); returns the batches and ``order``, the pair index of each row in
+    batch order (``out[order] = rows`` puts per-row results back in pair order)."""
+    from ..data import packing
+    order = np.argsort([len(p[0]) for p in pairs], kind="stable")
+    batches = []
+    for i in range(0, len(order), size):
+        b = packing.pad([pairs[j] for j in order[i: i + size]], pad_id)
+        batches.append({k: v.to(device) for k, v in b.items()} if device is not None else b)
+    return batches, order
+
+
+def signatures(model, batches: list[dict], masks, dirs: list[dict], scales: list[float]):
+    """The loss signatures, ``(n_traces, n_dirs, n_scales)``: each trace's masked loss with every
+    perturbed layer at ``W + sigma * Delta_j`` (weights restored after each). ``masks`` is one
+    mask per batch, or a dict of such lists (several token samples read from the same forward
+    passes), which gives a dict of signatures."""
+    import torch
+    named = masks if isinstance(masks, dict) else {"": masks}
+    layers = perturbed_layers(model)
+    n = sum(len(b["input_ids"]) for b in batches)
+    out = {k: np.zeros((n, len(dirs), len(scales))) for k in named}
+    for j, d in enumerate(dirs):
+        for s, sigma in enumerate(scales):
+            saved = {name: layers[name].weight.detach().clone() for name in d}
+            try:
+                with torch.no_grad():
+                    for name, delta in d.items():
+                        layers[name].weight.add_(sigma * delta.to(layers[name].weight.device))
+                row = 0
+                for i, b in enumerate(batches):
+                    nll = token_losses(model, b)
+                    for k, ms in named.items():
+                        out[k][row: row + len(nll), j, s] = _reduce(nll, ms[i])
+                    row += len(nll)
+            finally:
+                with torch.no_grad():
+                    for name, w in saved.items():
+                        layers[name].weight.copy_(w)
+    return out if isinstance(masks, dict) else out[""]
+
+
+# -- difficulty: the inflection point ---------------------------------------------------------
+
+def inflection(x, y) -> tuple[float, float]:
+    """The inflection point of a sampled curve ``y(x)``: the first sign change of the discrete
+    second derivative from positive (convex, rising) to non-positive (bending over), located by
+    linear interpolation between the grid points where it is measured; returns ``(x*, y(x*))``
+    with ``y`` interpolated linearly. A curve with no such change gives the point of steepest
+    rise (the midpoint of the largest first difference)."""
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    if len(x) < 3 or np.any(np.diff(x) <= 0):
+        raise ValueError("need at least 3 increasing x values")
+    d1 = np.diff(y) / np.diff(x)
+    xm = (x[1:] + x[:-1]) / 2                          # where d1 is measured
+    d2 = np.diff(d1) / np.diff(xm)
+    xs = x[1:-1]                                       # where d2 is measured (approximately)
+    for i in range(len(d2) - 1):
+        if d2[i] > 0 >= d2[i + 1]:
+            t = d2[i] / (d2[i] - d2[i + 1])
+            xi = xs[i] + t * (xs[i + 1] - xs[i])
+            return float(xi), float(np.interp(xi, x, y))
+    i = int(np.argmax(d1))
+    return float(xm[i]), float(np.interp(xm[i], x, y))
+
+
+def inflection_losses(sig, scales) -> "np.ndarray":
+    """Per trace, the loss at the inflection point of its mean (over directions) curve."""
+    curves = np.asarray(sig).mean(1)
+    return np.array([inflection(scales, c)[1] for c in curves])
+
+
+# -- diversity: clusters ----------------------------------------------------------------------
+
+def signature_features(sig) -> "np.ndarray":
+    """Log-losses flattened over (direction, scale), standardized per feature: what is clustered."""
+    f = np.log(np.asarray(sig).reshape(len(sig), -1) + 1e-9)
+    return (f - f.mean(0)) / (f.std(0) + 1e-9)
+
+
+def cluster_nmi(features, categories, n_clusters: int, seed: int,
+                n_perm: int = 200) -> dict:
+    """k-means (``sklearn``) on the features, NMI of the clusters against the categories
+    (``sklearn.metrics.normalized_mutual_info_score``), and the same NMI for randomly permuted
+    categories (chance: its mean and 99th percentile)."""
+    from sklearn.cluster import KMeans
+    from sklearn.metrics import normalized_mutual_info_score as nmi
+    labels = KMeans(n_clusters, n_init=10, random_state=seed).fit_predict(features)
+    cats = np.asarray(categories)
+    rng = np.random.default_rng(seed)
+    chance = np.array([nmi(rng.permutation(cats), labels) for _ in range(n_perm)])
+    return {"nmi": float(nmi(cats, labels)), "chance_mean": float(chance.mean()),
+            "chance_p99": float(np.quantile(chance, 0.99)), "clusters": labels}
+
+
+def select_subset(scores, clusters, m: int) -> list[int]:
+    """``m`` indices, round-robin over the clusters (diversity), the highest ``scores``
+    (predicted difficulty) first within each cluster; a cluster that runs out is skipped."""
+    scores, clusters = np.asarray(scores), np.asarray(clusters)
+    queues = {c: sorted(np.flatnonzero(clusters == c), key=lambda i: -scores[i])
+              for c in np.unique(clusters)}
+    out: list[int] = []
+    while len(out) < min(m, len(scores)):
+        for c in list(queues):
+            if queues[c] and len(out) < m:
+                out.append(int(queues[c].pop(0)))
+    return out
+
+
+def teacher_scores(pred, teachers) -> dict:
+    """The teacher-selection criterion: per teacher, the mean predicted difficulty (inflection
+    loss) of its traces; the lowest sits deepest in the basin and is picked."""
+    pred, teachers = np.asarray(pred), np.asarray(teachers)
+    return {t: float(pred[teachers == t].mean()) for t in dict.fromkeys(teachers.tolist())}
+
+
+# -- the generate-then-filter baseline --------------------------------------------------------
+
+def sequence_scores(model, tok, prompts: list[str], completions: list[str],
+                    batch: int = 128) -> "np.ndarray":
+    """A judge's score of each completion: its mean token log-likelihood under ``model``."""
+    from ..data import packing
+    pairs = packing.encode(tok, prompts, completions)
+    device = next(model.parameters()).device
+    batches, order = length_batches(pairs, batch, tok.pad_token_id, device)
+    out = np.zeros(len(pairs))
+    out[order] = np.concatenate([-masked_losses(model, b, b["labels"] != -100) for b in batches])
+    return out
+
+
+def generate_then_filter(teacher, judge, tok, examples, n_candidates: int, seed: int,
+                         max_new_tokens: int = 48, batch: int = 64) -> list[str]:
+    """The costly pipeline: ``n_candidates`` sampled traces per problem from ``teacher``
+    (``generate(do_sample=True)``), each scored by ``judge`` (:func:`sequence_scores`); the best
+    per problem is kept."""
+    import torch
+    torch.manual_seed(seed)
+    tok.padding_side = "left"
+    cands: list[list[str]] = []
+    with torch.no_grad():
+        for i in range(0, len(examples), batch):
+            chunk = [tok.bos_token + e.prompt for e in examples[i: i + batch]]
+            enc = tok(chunk, return_tensors="pt", padding=True, add_special_tokens=False)
+            enc = {k: v.to(next(teacher.parameters()).device) for k, v in enc.items()}
+            gen = teacher.generate(**enc, max_new_tokens=max_new_tokens, do_sample=True,
+                                   top_k=0, num_return_sequences=n_candidates,
+                                   pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+            texts = tok.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            cands += [[" " + t.split("\n")[0].strip() for t in texts[k: k + n_candidates]]
+                      for k in range(0, len(texts), n_candidates)]
+    flat_p = [e.prompt for e, cs in zip(examples, cands) for _ in cs]
+    flat_c = [c for cs in cands for c in cs]
+    sc = sequence_scores(judge, tok, flat_p, flat_c).reshape(len(examples), n_candidates)
+    return [cs[int(np.argmax(s))] for cs, s in zip(cands, sc)]
