@@ -23,8 +23,12 @@ $(STAMP): pyproject.toml
 run: zoo  ## every notebook at smoke scale, then the report
 	$(VENV)/bin/workbench run --all --out runs/main
 
-zoo: $(STAMP)  ## every zoo backbone and the LoRA pool, built once into the cache (a no-op when cached)
-	$(VENV)/bin/workbench zoo build --all --jobs 2
+# the backbones the notebooks load and the LoRA pool (lm-gpt2 and lm-qwen2 join when a notebook
+# uses them; `workbench zoo build --all` builds every recipe)
+ZOO_MODELS ?= lm-tiny lm-base lm-instruct lm-reasoning lm-qbed lora-pool/lm-base
+
+zoo: $(STAMP)  ## the zoo models the notebooks use, built once into the cache (a no-op when cached)
+	$(VENV)/bin/workbench zoo build $(ZOO_MODELS) --jobs 2
 
 test: zoo  ## unit tests, batch tests, and every notebook under nbval with strict claims
 	$(PYTEST) $(XDIST) tests notebooks --nbval-lax --nbval-current-env

@@ -175,6 +175,24 @@ def test_cards_table_and_cli_all(cache):
     assert ap.parse_args(["zoo", "list", "--json"]).json
 
 
+def test_cli_builds_several_names_together_and_refuses_unknown_ones(monkeypatch, capsys):
+    from workbench import cli
+    from workbench.models import adapters
+    seen = {}
+
+    def fake_build_all(scale, force=False, jobs=1, names=None):
+        seen.update(scale=scale, jobs=jobs, names=names)
+        return [{"name": n, "scale": scale, "error": "not built in this test"} for n in names]
+
+    monkeypatch.setattr(adapters, "build_all", fake_build_all)
+    rc = cli.main(["zoo", "build", "lm-micro", adapters.POOL_NAME, "--jobs", "1"])
+    assert seen == {"scale": "smoke", "jobs": 1, "names": ["lm-micro", adapters.POOL_NAME]}
+    assert rc == 1 and "not built in this test" in capsys.readouterr().err
+    assert cli.main(["zoo", "build", "lm-micro", "lm-nope"]) == 2
+    assert "unknown recipe 'lm-nope'" in capsys.readouterr().err
+    assert cli.main(["zoo", "clear", "lm-micro", "lm-tiny"]) == 2
+
+
 def test_build_all_in_parallel_keeps_order_and_reports_a_failed_build(cache):
     from workbench.models import adapters
     cards = adapters.build_all("smoke", jobs=2, names=["lm-nope", "lm-micro"])

@@ -148,25 +148,31 @@ def cmd_zoo(args) -> int:
             print("nothing built yet: `workbench zoo build --all`")
         return 0
     if args.action == "clear":
-        for path in zoo.clear(args.name):
+        if len(args.name) > 1:
+            print("error: zoo clear takes one recipe name (or none: everything)", file=sys.stderr)
+            return 2
+        for path in zoo.clear(args.name[0] if args.name else None):
             print(f"removed {path}")
         return 0
-    if args.all:
-        from .models import adapters
-        cards = adapters.build_all(args.scale, force=args.force, jobs=args.jobs)
+    from .models import adapters
+    buildable = sorted(zoo.RECIPES) + [adapters.POOL_NAME]
+    unknown = [n for n in args.name if n not in buildable]
+    if unknown:
+        print(f"error: unknown recipe {unknown[0]!r}; recipes: {', '.join(buildable)}",
+              file=sys.stderr)
+        return 2
+    if args.all or len(args.name) > 1 or args.name == [adapters.POOL_NAME]:
+        cards = adapters.build_all(args.scale, force=args.force, jobs=args.jobs,
+                                   names=None if args.all else args.name)
         print(zoo.format_cards(cards))
         failed = [c for c in cards if "error" in c]
         for c in failed:
             print(f"error: {c['name']}: {c['error']}", file=sys.stderr)
         return 1 if failed else 0
     if not args.name:
-        print(f"error: name a recipe to build (or --all): {', '.join(sorted(zoo.RECIPES))}", file=sys.stderr)
+        print(f"error: name a recipe to build (or --all): {', '.join(buildable)}", file=sys.stderr)
         return 2
-    if args.name not in zoo.RECIPES:
-        print(f"error: unknown recipe {args.name!r}; recipes: {', '.join(sorted(zoo.RECIPES))}",
-              file=sys.stderr)
-        return 2
-    card = zoo.build(args.name, args.scale, force=args.force)
+    card = zoo.build(args.name[0], args.scale, force=args.force)
     print(json.dumps(card, indent=2))
     return 0
 
@@ -215,14 +221,16 @@ def parser() -> argparse.ArgumentParser:
 
     z = sub.add_parser("zoo", help="build, list or clear the shared pretrained backbones")
     z.add_argument("action", choices=("build", "list", "clear"))
-    z.add_argument("name", nargs="?")
+    z.add_argument("name", nargs="*",
+                   help="build: recipes (and lora-pool/lm-base), several at a time like --all; "
+                        "clear: one recipe, or none for everything")
     z.add_argument("--scale", choices=SCALES, default="smoke")
     z.add_argument("--force", action="store_true", help="rebuild even when cached")
     z.add_argument("--all", action="store_true",
                    help="build: every recipe and the LoRA pool")
     z.add_argument("--json", action="store_true", help="list: one JSON card per line")
     z.add_argument("--jobs", type=int, default=2,
-                   help="build --all: builds at a time, one CPU thread each (default 2)")
+                   help="build of several: builds at a time, one CPU thread each (default 2)")
     return p
 
 
