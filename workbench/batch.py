@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -448,14 +448,29 @@ def run_batch(jobs: list[Job], n_jobs: int | None = None, timeout: float = 900,
     futures = {pool.submit(run_job, job, timeout, resume, strict, 1, threads, cancel): i
                for i, job in enumerate(jobs)}
     bar = progress(total=len(jobs), desc="jobs", disable=not show_progress)
+    # Ctrl-C sets a flag that the loop polls, rather than raising KeyboardInterrupt wherever the
+    # main thread happens to be (inside a future's lock, say, which would leave a worker thread
+    # unable to finish and the runner hanging)
+    interrupted = threading.Event()
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
     try:
-        for fut in as_completed(futures):
-            i = futures[fut]
-            results[i] = _result_of(fut, jobs[i])
-            r = results[i]
-            bar.set_postfix_str(f"{r.job.slug} seed {r.job.seed}: {r.status}", refresh=False)
-            bar.update(1)
+        pending = set(futures)
+        while pending and not interrupted.is_set():
+            done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            for fut in done:
+                i = futures[fut]
+                results[i] = _result_of(fut, jobs[i])
+                r = results[i]
+                bar.set_postfix_str(f"{r.job.slug} seed {r.job.seed}: {r.status}", refresh=False)
+                bar.update(1)
+        if interrupted.is_set():
+            raise KeyboardInterrupt
     except KeyboardInterrupt:
+        if previous is not None:      # a second Ctrl-C while we stop the jobs is Python's own
+            signal.signal(signal.SIGINT, previous)
+            previous = None
         cancel.set()
         pool.shutdown(wait=False, cancel_futures=True)
         while not all(f.done() for f in futures):   # a thread may start one as we kill the rest
@@ -465,6 +480,8 @@ def run_batch(jobs: list[Job], n_jobs: int | None = None, timeout: float = 900,
             if i not in results and not fut.cancelled():
                 results[i] = _result_of(fut, jobs[i])
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
         pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
     return [results.get(i) or JobResult(job, "interrupted", 0.0, STATUSES["interrupted"])
