@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..data import packing
+from ..models import finetune
 from . import inducekv as K
 
 
@@ -67,25 +68,10 @@ def cached_states(kind: str, spec: dict, build) -> list[dict]:
 
 def train_steps(model, pairs, steps: int, batch: int, lr: float, seed: int, replay=None,
                 pad_id: int = 0) -> int:
-    """AdamW on the trainable parameters, linear decay to 10% (the pool's schedule); with a
-    ``replay`` buffer half of every batch comes from it. Returns example-passes (fwd + bwd
-    counted as 3 forwards)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 - 0.9 * min(i, steps) / steps)
-    g = torch.Generator().manual_seed(seed)
-    n_old = batch // 2 if replay else 0
-    model.train()
-    for _ in range(steps):
-        rows = [pairs[i] for i in torch.randint(0, len(pairs), (batch - n_old,), generator=g)]
-        if n_old:
-            rows += [replay[i] for i in torch.randint(0, len(replay), (n_old,), generator=g)]
-        b = packing.pad(rows, pad_id)
-        loss = model(**{k: v.to(model.device) for k, v in b.items()}).loss
-        loss.backward()
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+    """The shared LoRA loop (:func:`workbench.models.finetune.train_steps`: AdamW, linear decay
+    to 10%, the pool's schedule); with a ``replay`` buffer half of every batch comes from it.
+    Returns example-passes (fwd + bwd counted as 3 forwards)."""
+    finetune.train_steps(model, pairs, steps, batch, lr, seed, pad_id, replay)
     model.eval()
     return 3 * steps * batch
 
@@ -102,13 +88,7 @@ def set_lora_state(model, state: dict) -> None:
 
 def fresh_lora(model, seed: int, rank: int = 8, lora_scale: float = 2.0):
     """A new ``peft`` LoRA on every projection of ``model`` (the pool's configuration)."""
-    from peft import LoraConfig, get_peft_model
-    from ..models import adapters as A
-    present = {n.split(".")[-1] for n, _ in model.named_modules()}
-    torch.manual_seed(seed)
-    cfg = LoraConfig(r=rank, lora_alpha=lora_scale * rank, lora_dropout=0.0,
-                     target_modules=[t for t in A.TARGETS if t in present], task_type="CAUSAL_LM")
-    return get_peft_model(model, cfg)
+    return finetune.lora_model(model, rank, lora_scale, seed)
 
 
 def pool_state(pool, name: str) -> dict:

@@ -111,7 +111,7 @@ def subsample_mask(labels, fraction: float, seed: int, min_tokens: int = 1):
 def perturbed_layers(model) -> dict:
     """The block linears a perturbation moves (every attention and MLP projection), by name."""
     import torch
-    from ..models.adapters import TARGETS
+    from ..models.finetune import TARGETS
     return {n: m for n, m in model.named_modules()
             if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in TARGETS}
 

@@ -31,8 +31,7 @@ POOL_VERSION = 1
 MIXTURES = {"strings": ("reverse", "sort", "rotate", "swap", "dedupe"),
             "arith": ("add", "sub", "mul"),
             "recall": ("kv", "count", "pattern")}
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-           "c_attn", "c_proj", "c_fc")       # llama/qwen2 and gpt2 projection names
+from .finetune import TARGETS, lora_model, train_steps  # noqa: F401 (TARGETS re-exported)
 
 
 @dataclass(frozen=True)
@@ -139,8 +138,6 @@ def _train_pairs(names: tuple[str, ...], n: int, with_steps: bool, tok, seed: in
 
 def _build(base, model_scale, names, rank, lora_scale, size: PoolSize, out: Path):
     import torch
-    from peft import LoraConfig, get_peft_model
-    from ..data import packing
     from ..progress import progress
     from . import zoo
     t_all = time.time()
@@ -156,8 +153,6 @@ def _build(base, model_scale, names, rank, lora_scale, size: PoolSize, out: Path
             "lora_scale": lora_scale, "size": asdict(size), "pool_version": POOL_VERSION,
             "eval": "greedy exact match at each family's middle difficulty, held-out prompts",
             "base_accuracy": score(model), "adapters": {}}
-    present = {n.split(".")[-1] for n, _ in model.named_modules()}
-    targets = [t for t in TARGETS if t in present]
     threads = torch.get_num_threads()
     torch.set_num_threads(int(os.environ.get("WORKBENCH_ZOO_THREADS", "1")))
     try:
@@ -168,25 +163,11 @@ def _build(base, model_scale, names, rank, lora_scale, size: PoolSize, out: Path
             banned = {e.prompt for f in fams for e in evals[f]}
             exs, pairs = _train_pairs(fams, size.n_train, with_steps, tok)
             pairs = [p for e, p in zip(exs, pairs) if e.prompt not in banned]
-            torch.manual_seed(0)
+            torch.manual_seed(0)            # before the load, as the cached pools were built
             fresh, _ = zoo.load(base, model_scale)
-            cfg = LoraConfig(r=rank, lora_alpha=lora_scale * rank, lora_dropout=0.0,
-                             target_modules=targets, task_type="CAUSAL_LM")
-            peft_model = get_peft_model(fresh, cfg)
-            opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad],
-                                    lr=size.lr, weight_decay=0.0)
-            sched = torch.optim.lr_scheduler.LambdaLR(
-                opt, lambda i: 1.0 - 0.9 * min(i, size.steps) / size.steps)
-            g = torch.Generator().manual_seed(0)
-            peft_model.train()
-            for step in range(size.steps):
-                idx = torch.randint(0, len(pairs), (size.batch,), generator=g).tolist()
-                b = packing.pad([pairs[i] for i in idx], tok.pad_token_id)
-                loss = peft_model(**b).loss
-                loss.backward()
-                opt.step()
-                sched.step()
-                opt.zero_grad(set_to_none=True)
+            peft_model = lora_model(fresh, rank, lora_scale)
+            losses = train_steps(peft_model, pairs, size.steps, size.batch, size.lr, 0,
+                                 tok.pad_token_id)
             train_s = time.time() - t0
             peft_model.eval()
             acc = score(peft_model)
@@ -195,7 +176,7 @@ def _build(base, model_scale, names, rank, lora_scale, size: PoolSize, out: Path
             base_own = sum(card["base_accuracy"][f] for f in fams) / len(fams)
             card["adapters"][name] = {
                 "families": list(fams), "accuracy": acc, "own_accuracy": round(own, 4),
-                "gain_over_base": round(own - base_own, 4), "final_loss": float(loss.detach()),
+                "gain_over_base": round(own - base_own, 4), "final_loss": losses[-1],
                 "train_seconds": round(train_s, 1),
                 "seconds": round(time.time() - t0, 1)}
     finally:

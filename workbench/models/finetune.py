@@ -2,7 +2,7 @@
 
 Notebooks that fine-tune a zoo model on data they build themselves (06 on self-annotated
 problems, 18 on curated traces) must not retrain what they have trained before. ``cached_lora``
-trains a LoRA (every attention and MLP projection, :data:`workbench.models.adapters.TARGETS`,
+trains a LoRA (every attention and MLP projection, :data:`TARGETS`,
 ``lora_alpha = scale * rank`` as in the pool) on the completions (labels on the completion and
 ``<eos>``, :func:`workbench.data.packing.encode`) and saves it under ``cache_dir()/group/`` keyed
 by a hash of the base model's key, the training texts and the settings; a file lock and a
@@ -17,6 +17,10 @@ import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           "c_attn", "c_proj", "c_fc")       # llama/qwen2 and gpt2 projection names
 
 
 @dataclass(frozen=True)
@@ -61,36 +65,59 @@ def atomic_build(path: Path, build) -> Path:
     return path
 
 
-def train_lora(model, tok, prompts: list[str], completions: list[str], s: LoraSettings):
-    """A ``peft`` LoRA on ``model``'s projections trained on the completions (labels on the
-    completion and ``<eos>`` only, :func:`workbench.data.packing.encode`); returns the
-    ``PeftModel`` in eval mode and the last losses."""
+def lora_model(model, rank: int = 8, scale: float = 2.0, seed: int | None = None):
+    """``model`` with a fresh ``peft`` LoRA on every attention and MLP projection it has
+    (:data:`TARGETS`), ``lora_alpha = scale * rank`` (Hu et al. 2021, eq. 3: ``scale`` is
+    alpha / r); ``seed`` seeds torch first (A's init) when given."""
     import torch
     from peft import LoraConfig, get_peft_model
-    from ..data import packing
-    from .adapters import TARGETS
     present = {n.split(".")[-1] for n, _ in model.named_modules()}
-    device = next(model.parameters()).device
-    torch.manual_seed(s.seed)
-    pm = get_peft_model(model, LoraConfig(r=s.rank, lora_alpha=s.scale * s.rank, lora_dropout=0.0,
-                                          target_modules=[t for t in TARGETS if t in present],
-                                          task_type="CAUSAL_LM"))
-    pairs = packing.encode(tok, prompts, completions)
-    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=s.lr,
+    if seed is not None:
+        torch.manual_seed(seed)
+    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=scale * rank, lora_dropout=0.0,
+                                            target_modules=[t for t in TARGETS if t in present],
+                                            task_type="CAUSAL_LM"))
+
+
+def train_steps(model, pairs, steps: int, batch: int, lr: float, seed: int, pad_id: int,
+                replay=None) -> list[float]:
+    """AdamW on ``model``'s trainable parameters with a linear decay to 10%, ``batch`` random
+    (prompt, completion) rows a step (:func:`workbench.data.packing.pad`), half of them from
+    ``replay`` when given; returns every step's loss. The loop of the LoRA pool, the notebooks'
+    fine-tunes and InduceKV's baselines."""
+    import torch
+    from ..data import packing
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
                             weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 - 0.9 * min(i, s.steps) / s.steps)
-    g = torch.Generator().manual_seed(s.seed)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 - 0.9 * min(i, steps) / steps)
+    g = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    n_old = batch // 2 if replay else 0
     losses = []
-    pm.train()
-    for _ in range(s.steps):
-        idx = torch.randint(0, len(pairs), (min(s.batch, len(pairs)),), generator=g).tolist()
-        b = packing.pad([pairs[i] for i in idx], tok.pad_token_id)
-        loss = pm(**{k: v.to(device) for k, v in b.items()}).loss
+    model.train()
+    for _ in range(steps):
+        rows = [pairs[i] for i in torch.randint(0, len(pairs), (batch - n_old,), generator=g)]
+        if n_old:
+            rows += [replay[i] for i in torch.randint(0, len(replay), (n_old,), generator=g)]
+        b = packing.pad(rows, pad_id)
+        loss = model(**{k: v.to(device) for k, v in b.items()}).loss
         loss.backward()
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
+    return losses
+
+
+def train_lora(model, tok, prompts: list[str], completions: list[str], s: LoraSettings):
+    """A ``peft`` LoRA on ``model``'s projections trained on the completions (labels on the
+    completion and ``<eos>`` only, :func:`workbench.data.packing.encode`); returns the
+    ``PeftModel`` in eval mode and the last losses."""
+    from ..data import packing
+    pm = lora_model(model, s.rank, s.scale, s.seed)
+    pairs = packing.encode(tok, prompts, completions)
+    losses = train_steps(pm, pairs, s.steps, min(s.batch, len(pairs)), s.lr, s.seed,
+                         tok.pad_token_id)
     return pm.eval(), losses[-10:]
 
 
