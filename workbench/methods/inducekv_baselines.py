@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -48,22 +46,17 @@ def cache_path(kind: str, spec: dict) -> Path:
 
 
 def cached_states(kind: str, spec: dict, build) -> list[dict]:
-    """The per-stage state dicts ``build()`` returns, computed once and cached by ``spec``."""
-    from filelock import FileLock
+    """The per-stage state dicts ``build()`` returns, computed once and cached by ``spec``
+    (:func:`workbench.models.finetune.atomic_build`: a file lock, a directory renamed into place)."""
     path = cache_path(kind, spec)
-    done = path / "states.pt"
-    if not done.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(path) + ".lock"):
-            if not done.exists():
-                tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir(parents=True)
-                states = build()
-                torch.save(states, tmp / "states.pt")
-                (tmp / "spec.json").write_text(json.dumps(spec, indent=2, default=str))
-                os.rename(tmp, path)
-    return torch.load(done, weights_only=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(tmp):
+        torch.save(build(), tmp / "states.pt")
+        return spec
+
+    finetune.atomic_build(path, write)
+    return torch.load(path / "states.pt", weights_only=False)
 
 
 def train_steps(model, pairs, steps: int, batch: int, lr: float, seed: int, replay=None,
