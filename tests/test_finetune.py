@@ -29,3 +29,29 @@ def test_cache_key_covers_every_part():
     k = finetune.cache_key("a", [1, 2], {"x": 1})
     assert k == finetune.cache_key("a", [1, 2], {"x": 1})
     assert k != finetune.cache_key("a", [2, 1], {"x": 1}) != finetune.cache_key("a", [1, 2], {"x": 2})
+
+
+def test_train_steps_callback_sees_every_step_and_can_stop():
+    pytest.importorskip("torch")
+    from workbench.data import packing
+    from workbench.models import zoo
+    model, tok = zoo.load("lm-micro")
+    exs = tasks.generate("pattern", 8, seed=0, difficulty=2)
+    pairs = packing.encode(tok, [e.prompt for e in exs], [e.completion() for e in exs])
+    pm = finetune.lora_model(model, rank=2, seed=0)
+    seen = []
+    losses = finetune.train_steps(pm, pairs, 10, 4, 1e-3, 0, tok.pad_token_id,
+                                  callback=lambda step, loss: seen.append((step, loss)) or step == 3)
+    assert [s for s, _ in seen] == [1, 2, 3] and len(losses) == 3
+    assert [l for _, l in seen] == losses
+
+
+def test_lora_model_dora_adds_magnitudes():
+    pytest.importorskip("torch")
+    from workbench.models import zoo
+    lora = finetune.lora_model(zoo.load("lm-micro")[0], rank=2, seed=0)
+    dora = finetune.lora_model(zoo.load("lm-micro")[0], rank=2, seed=0, use_dora=True)
+    n = lambda m: sum(p.numel() for p in m.parameters() if p.requires_grad)  # noqa: E731
+    outs = sum(mod.out_features for name, mod in lora.named_modules()
+               if name.endswith(finetune.TARGETS) and hasattr(mod, "lora_A"))
+    assert n(dora) - n(lora) == outs          # one magnitude per output unit of every layer

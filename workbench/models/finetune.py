@@ -65,26 +65,35 @@ def atomic_build(path: Path, build) -> Path:
     return path
 
 
-def lora_model(model, rank: int = 8, scale: float = 2.0, seed: int | None = None):
+def lora_model(model, rank: int = 8, scale: float = 2.0, seed: int | None = None,
+               use_dora: bool = False, custom_modules: dict | None = None):
     """``model`` with a fresh ``peft`` LoRA on every attention and MLP projection it has
     (:data:`TARGETS`), ``lora_alpha = scale * rank`` (Hu et al. 2021, eq. 3: ``scale`` is
-    alpha / r); ``seed`` seeds torch first (A's init) when given."""
+    alpha / r); ``seed`` seeds torch first (A's init) when given. ``use_dora`` makes it peft's
+    DoRA (Liu et al. 2024: a trained magnitude per output times the normalized W + B A);
+    ``custom_modules`` maps a layer type peft does not know (such as a quantized linear) to the
+    peft LoRA layer that wraps it (``LoraConfig._register_custom_module``)."""
     import torch
     from peft import LoraConfig, get_peft_model
     present = {n.split(".")[-1] for n, _ in model.named_modules()}
     if seed is not None:
         torch.manual_seed(seed)
-    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=scale * rank, lora_dropout=0.0,
-                                            target_modules=[t for t in TARGETS if t in present],
-                                            task_type="CAUSAL_LM"))
+    config = LoraConfig(r=rank, lora_alpha=scale * rank, lora_dropout=0.0,
+                        target_modules=[t for t in TARGETS if t in present],
+                        task_type="CAUSAL_LM", use_dora=use_dora)
+    if custom_modules:
+        config._register_custom_module(custom_modules)
+    return get_peft_model(model, config)
 
 
 def train_steps(model, pairs, steps: int, batch: int, lr: float, seed: int, pad_id: int,
-                replay=None) -> list[float]:
+                replay=None, callback=None) -> list[float]:
     """AdamW on ``model``'s trainable parameters with a linear decay to 10%, ``batch`` random
     (prompt, completion) rows a step (:func:`workbench.data.packing.pad`), half of them from
     ``replay`` when given; returns every step's loss. The loop of the LoRA pool, the notebooks'
-    fine-tunes and InduceKV's baselines."""
+    fine-tunes and InduceKV's baselines. ``callback(step, loss)``, when given, runs after each
+    step (step counts from 1; evaluate a checkpoint there, the model is back in train mode
+    after it); returning True stops the loop."""
     import torch
     from ..data import packing
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
@@ -106,6 +115,11 @@ def train_steps(model, pairs, steps: int, batch: int, lr: float, seed: int, pad_
         sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
+        if callback is not None:
+            stop = callback(len(losses), losses[-1])
+            model.train()
+            if stop:
+                break
     return losses
 
 

@@ -1,0 +1,365 @@
+"""FuRA: full-rank adaptation through a block tensor-train with a frozen spectral core.
+
+Paper 16 (NeurIPS 2026; public code: olokevin/FuRA-NIPS, ``fura/btt_layer.py``). A weight
+``W`` (out x in) is cut into ``n`` column blocks ``W = [W_1 ... W_n]`` of width ``b = in / n``
+and each block is factorized by its SVD,
+
+    W_j = U_j diag(s_j) V_j^T,      W = L S R                                         (1)
+
+with ``L = [U_1 ... U_n]`` (out x n k, the large core), ``S = diag(s_1, ..., s_n)`` (the per-block
+singular values) and ``R = blockdiag(V_1^T, ..., V_n^T)`` (n blocks of k x b, the small core),
+``k = min(out, b)``. FuRA freezes ``L`` and trains ``S`` and ``R``. Then
+
+- (1) is exact at init, so the adapted model starts as the pretrained one;
+- every update of block j is ``U_j (S_j' R_j' - S_j R_j)``: it lies in span(U_j), the block's
+  pretrained column space (*spectral preconditioning*, sec. 3 of the paper);
+- the update ``[U_1 M_1 ... U_n M_n]`` can have full rank ``min(out, in)``, unlike LoRA's r;
+- the trainable count is ``n k (b + 1)`` per layer, about LoRA's at ``b ~ sqrt(in)``.
+
+With one block (``n = 1``) this is the plain full-SVD reparameterization ``W = U S V^T`` with
+``U`` frozen: the "spectral preconditioning" variant of the paper's C1, with about as many
+trainable parameters as full fine-tuning of the layer. QFuRA stores the frozen core ``L`` in 4
+bits (:class:`workbench.quant.QuantLinear`, round-to-nearest per group).
+
+We implement the reference's ``output_one_block`` layout (column blocks, one output block), in
+which ``L`` is the large core and ``R`` the small one, as the abstract describes; its
+``input_one_block`` and ``square`` layouts are not used here.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from torch import nn
+
+from ..quant import QuantLinear, rtn
+
+
+def closest_factor_pair(d: int) -> tuple[int, int]:
+    """``(n, b)`` with ``n b = d``, ``n <= b`` and ``b - n`` smallest (the reference's default
+    block count: ``b ~ sqrt(d)``)."""
+    n = max(a for a in range(1, int(math.isqrt(d)) + 1) if d % a == 0)
+    return n, d // n
+
+
+def block_svd(w: torch.Tensor, n: int):
+    """Eq. (1): the SVD of each of the ``n`` column blocks of ``w`` (out x in).
+
+    Returns ``(L, S, R)``: ``L`` (out, n, k) the left singular vectors of every block, ``S``
+    (n, k) their singular values, ``R`` (n, k, b) the right singular vectors (rows of V_j^T),
+    ``k = min(out, b)``; ``W_j = L[:, j] diag(S[j]) R[j]``."""
+    out, cols = w.shape
+    if cols % n:
+        raise ValueError(f"in-features {cols} is not a multiple of the block count {n}")
+    b = cols // n
+    blocks = w.reshape(out, n, b).permute(1, 0, 2)                 # (n, out, b)
+    u, s, vh = torch.linalg.svd(blocks, full_matrices=False)       # (n, out, k), (n, k), (n, k, b)
+    return u.permute(1, 0, 2).contiguous(), s.contiguous(), vh.contiguous()
+
+
+def fura_parameters(out: int, cols: int, n: int) -> int:
+    """Closed-form trainable count of one FuRA layer: ``n k b`` (R) ``+ n k`` (S)."""
+    b = cols // n
+    k = min(out, b)
+    return n * k * b + n * k
+
+
+def lora_parameters(out: int, cols: int, r: int, dora: bool = False) -> int:
+    """``r (in + out)`` (A and B), plus the ``out`` magnitudes of DoRA."""
+    return r * (cols + out) + (out if dora else 0)
+
+
+class FuraLinear(nn.Module):
+    """A linear layer held as ``W = L S R`` (eq. 1): ``L`` frozen, ``S`` and ``R`` trained.
+
+    ``forward(x)`` computes ``L (S * (R x))`` block by block, never the dense ``W``: first each
+    input block through its small core (``bmm``-sized, n k b multiply-adds a token), then one
+    dense (n k -> out) product with ``L``, the same size as the original layer's. ``core`` is
+    that frozen (n k -> out) map: an ``nn.Linear`` or, for QFuRA, a 4-bit ``QuantLinear``.
+    """
+
+    def __init__(self, L: torch.Tensor, S: torch.Tensor, R: torch.Tensor,
+                 bias: torch.Tensor | None = None, core_bits: int | None = None,
+                 group_size: int = 32):
+        super().__init__()
+        out, n, k = L.shape
+        self.n, self.k, self.b = n, k, R.shape[-1]
+        self.in_features, self.out_features = n * self.b, out
+        flat = L.reshape(out, n * k)
+        if core_bits is None:
+            core = nn.Linear(n * k, out, bias=False, dtype=L.dtype, device=L.device)
+            core.weight.data.copy_(flat)
+        else:                                   # QFuRA: the frozen core in core_bits bits
+            core = QuantLinear(rtn(flat, core_bits, group_size))
+        for p in core.parameters():
+            p.requires_grad_(False)
+        self.core = core
+        self.S = nn.Parameter(S.clone())        # per-block singular values, trained
+        self.R = nn.Parameter(R.clone())        # the small core, trained
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(),
+                                                           requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, n: int | None = None, core_bits: int | None = None,
+                    group_size: int = 32) -> "FuraLinear":
+        """Factorize ``linear.weight`` with ``n`` column blocks (None: :func:`closest_factor_pair`).
+        The SVD runs in float64, so the float32 layer reproduces ``W`` to rounding."""
+        w = linear.weight.detach()
+        n = closest_factor_pair(w.shape[1])[0] if n is None else n
+        L, S, R = block_svd(w.double(), n)
+        m = cls(L.to(w.dtype), S.to(w.dtype), R.to(w.dtype), linear.bias, core_bits, group_size)
+        return m.to(w.device)
+
+    def core_weight(self) -> torch.Tensor:
+        """``L`` as (out, n, k), dequantized when it is held in 4 bits."""
+        w = self.core.dequantized() if isinstance(self.core, QuantLinear) else self.core.weight
+        return w.reshape(self.out_features, self.n, self.k)
+
+    def weight(self) -> torch.Tensor:
+        """The dense ``W = L S R`` (out, in) this layer computes."""
+        w = torch.einsum("onk,nk,nkb->onb", self.core_weight(), self.S, self.R)
+        return w.reshape(self.out_features, self.in_features)
+
+    def forward(self, x):
+        xb = x.reshape(-1, self.n, self.b).transpose(0, 1)           # (n, T, b)
+        z = torch.bmm(xb, self.R.transpose(1, 2)) * self.S[:, None]  # (n, T, k): S_j R_j x_j
+        y = self.core(z.transpose(0, 1).reshape(-1, self.n * self.k))  # L z, (T, out)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self):
+        q = f", core {self.core.bits}-bit" if isinstance(self.core, QuantLinear) else ""
+        return (f"in={self.in_features}, out={self.out_features}, blocks={self.n} x "
+                f"(k={self.k}, b={self.b}){q}")
+
+
+def _replace(model: nn.Module, names, make) -> list[str]:
+    mods = dict(model.named_modules())
+    for name in names:
+        parent, _, attr = name.rpartition(".")
+        setattr(mods[parent], attr, make(mods[name]))     # mods[""] is the model itself
+    return list(names)
+
+
+def target_linears(model: nn.Module, targets) -> list[str]:
+    """Names of the ``nn.Linear`` modules whose last name part is in ``targets``."""
+    return [n for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and n.split(".")[-1] in set(targets)]
+
+
+def apply_fura(model: nn.Module, targets, blocks: int | None = None,
+               core_bits: int | None = None, group_size: int = 32) -> list[str]:
+    """Replace every target linear of ``model`` in place by a :class:`FuraLinear` and freeze
+    everything but the ``S`` and ``R`` cores. ``blocks``: column blocks per layer (None: the
+    closest factor pair; 1: the full-SVD, frozen-U variant). Returns the replaced names."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    names = target_linears(model, targets)
+    return _replace(model, names, lambda m: FuraLinear.from_linear(
+        m, None if blocks is None else min(blocks, m.in_features), core_bits, group_size))
+
+
+def full_finetune(model: nn.Module, targets) -> list[str]:
+    """Full fine-tuning of the same layers: every weight of the target linears trains, the rest
+    (embeddings, norms) is frozen, as for the adapters. Returns the names."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    names = target_linears(model, targets)
+    mods = dict(model.named_modules())
+    for n in names:
+        mods[n].weight.requires_grad_(True)
+    return names
+
+
+def quantize_linears(model: nn.Module, targets, bits: int = 4, group_size: int = 32) -> list[str]:
+    """QLoRA's base: every target linear as a frozen ``bits``-bit :class:`QuantLinear` (RTN per
+    group of ``group_size`` inputs), in place. ``bitsandbytes``' NF4 needs CUDA; this is the
+    project's own quantizer, on any device."""
+    names = target_linears(model, targets)
+    _replace(model, names, lambda m: QuantLinear.from_linear(m, bits, group_size))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return names
+
+
+# -- what an update is -------------------------------------------------------------------------
+
+def dense_weights(model: nn.Module, names) -> dict[str, torch.Tensor]:
+    """The dense weight of each named layer, whatever holds it (nn.Linear, FuRA, a peft LoRA or
+    DoRA layer, merged on a copy), detached, in float64."""
+    mods = dict(model.named_modules())
+    out = {}
+    for n in names:
+        m = mods[n]
+        if isinstance(m, FuraLinear):
+            w = m.weight()
+        elif hasattr(m, "get_delta_weight"):            # peft LoRA / DoRA layer
+            base = m.get_base_layer()
+            w0 = base.dequantized() if isinstance(base, QuantLinear) else base.weight
+            w = w0 + m.get_delta_weight(m.active_adapters[0])
+            if m.use_dora.get(m.active_adapters[0]):
+                mag = m.lora_magnitude_vector[m.active_adapters[0]].weight
+                w = mag[:, None] * w / w.norm(dim=1, keepdim=True)   # DoRA: m * V / ||V||_c
+        elif isinstance(m, QuantLinear):
+            w = m.dequantized()
+        else:
+            w = m.weight
+        out[n] = w.detach().double()
+    return out
+
+
+def outside_span(delta: torch.Tensor, U: torch.Tensor) -> float:
+    """``||(I - P_j) dW_j|| / ||dW||`` summed over blocks: the share of an update that leaves
+    each block's pretrained column space span(U_j) (``U`` (out, n, k) orthonormal columns per
+    block, :func:`block_svd`). 0 for FuRA's frozen-L updates by construction."""
+    out, n, k = U.shape
+    d = delta.reshape(out, n, -1).permute(1, 0, 2)                 # (n, out, b)
+    u = U.permute(1, 0, 2)                                         # (n, out, k)
+    resid = d - u @ (u.transpose(1, 2) @ d)
+    return float(resid.norm() / delta.norm().clamp_min(1e-300))
+
+
+def numerical_rank(delta: torch.Tensor, rtol: float = 1e-6) -> int:
+    """The number of singular values above ``rtol`` times the largest (float64)."""
+    s = torch.linalg.svdvals(delta.double())
+    return int((s > rtol * s[0]).sum()) if s[0] > 0 else 0
+
+
+def trainable(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+# -- cost of a training step -------------------------------------------------------------------
+
+def step_cost(model, batch: dict, steps: int = 5, warmup: int = 2) -> dict:
+    """Median wall ms of one AdamW step (forward, backward, update) on ``batch``, and the peak
+    memory that step allocates beyond what is live before it: ``torch.cuda`` peak statistics on
+    a GPU, else the running sum of the allocations and frees that ``torch.profiler`` records
+    (``profile_memory``) over one step, from a state where the optimizer's moments exist. The
+    weights themselves are counted apart (``weight_mb``: every parameter and buffer)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=0.0)               # lr 0: the cost, not the update
+    device = next(model.parameters()).device
+    batch = {k: v.to(device) for k, v in batch.items()}
+    model.train()
+
+    def step():
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    times = []
+    for i in range(warmup + steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(1000 * (time.perf_counter() - t0))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        step()
+        peak = torch.cuda.max_memory_allocated(device) - before
+    else:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            step()
+        ev = sorted((e for e in prof.events() if e.cpu_memory_usage),
+                    key=lambda e: e.time_range.start)
+        run, peak = 0, 0
+        for e in ev:
+            run += e.cpu_memory_usage
+            peak = max(peak, run)
+    state = sum(t.numel() * t.element_size() for s in opt.state.values()
+                for t in s.values() if torch.is_tensor(t))
+    weights = sum(t.numel() * t.element_size() for t in
+                  list(model.parameters()) + list(model.buffers()))
+    model.eval()
+    return {"step_ms": float(sorted(times)[len(times) // 2]), "peak_step_mb": peak / 2 ** 20,
+            "optimizer_mb": state / 2 ** 20, "weight_mb": weights / 2 ** 20,
+            "trainable": sum(p.numel() for p in params)}
+
+
+# -- the methods side by side, and their one-time fine-tunes --------------------------------------
+
+METHODS = ("lora", "dora", "full", "svd", "fura", "qlora", "qfura")
+GROUP = "16-fura"        # cache_dir()/16-fura: the notebook's fine-tunes
+
+
+def prepare(model: nn.Module, method: str, rank: int = 8, lora_scale: float = 2.0,
+            seed: int = 0, bits: int = 4, group_size: int = 32) -> nn.Module:
+    """``model`` (changed in place, or wrapped by peft) ready to fine-tune with ``method``:
+    ``lora``/``dora`` (peft, :func:`workbench.models.finetune.lora_model`), ``full`` (every weight
+    of the projections), ``svd`` (one block: W = U S V^T, U frozen), ``fura`` (the block
+    factorization, eq. 1), ``qlora`` (a ``bits``-bit base + peft LoRA), ``qfura`` (FuRA with
+    the frozen core in ``bits`` bits)."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+    from ..models import finetune
+    targets = finetune.TARGETS
+    if method in ("lora", "dora"):
+        return finetune.lora_model(model, rank, lora_scale, seed, use_dora=method == "dora")
+    if method == "qlora":
+        quantize_linears(model, targets, bits, group_size)
+        return finetune.lora_model(model, rank, lora_scale, seed,
+                                   custom_modules={QuantLinear: LoraLinear})
+    if method == "full":
+        full_finetune(model, targets)
+    elif method in ("svd", "fura", "qfura"):
+        apply_fura(model, targets, blocks=1 if method == "svd" else None,
+                   core_bits=bits if method == "qfura" else None, group_size=group_size)
+    else:
+        raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
+    return model
+
+
+def cached_finetune(base: str, zoo_scale: str, method: str, pairs, settings: dict, evaluate,
+                    every: int, device: str = "cpu"):
+    """Fine-tune zoo model ``base`` with ``method`` on ``pairs`` (``packing.encode`` rows) once,
+    evaluating ``evaluate(model) -> dict`` every ``every`` steps, and cache the trainable
+    tensors and that trajectory (``finetune.atomic_build``, keyed by the base model's key, the
+    rows and ``settings``: lr, steps, batch, seed, rank, lora_scale, bits, group_size, and
+    whatever names the evaluation). Returns ``(model, info)``: the tuned model in eval mode and
+    ``{"trajectory": [...], "train_seconds", "cached"}``."""
+    import copy
+    import json
+    from ..models import finetune, zoo
+    key = finetune.cache_key(zoo._recipe(base).key(zoo_scale), method, pairs, settings)
+    path = finetune.cache_root(GROUP) / f"{method}-{base}-{zoo_scale}-{key}"
+    cached = (path / "done.json").exists()
+    s = settings
+
+    def fresh():
+        m, _ = zoo.load(base, zoo_scale, device=device)
+        return prepare(m, method, s["rank"], s["lora_scale"], s["seed"], s["bits"],
+                       s["group_size"])
+
+    def build(tmp):
+        model, traj = fresh(), []
+
+        def checkpoint(step, loss):
+            if step % every == 0 or step == s["steps"]:
+                model.eval()
+                traj.append({"step": step, "loss": loss, **evaluate(model)})
+
+        t0 = time.time()
+        finetune.train_steps(model, pairs, s["steps"], s["batch"], s["lr"], s["seed"],
+                             s["pad_id"], callback=checkpoint)
+        state = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
+        torch.save(state, tmp / "trainable.pt")
+        return {"trajectory": traj, "train_seconds": round(time.time() - t0, 2),
+                "settings": {k: v for k, v in s.items() if k != "eval"}}
+
+    finetune.atomic_build(path, build)
+    model = fresh()
+    state = torch.load(path / "trainable.pt")
+    missing = set(state) - {n for n, _ in model.named_parameters()}
+    if missing:
+        raise RuntimeError(f"cached {method} fine-tune names unknown tensors: {sorted(missing)[:3]}")
+    model.load_state_dict(state, strict=False)
+    info = json.loads((path / "done.json").read_text())
+    return model.eval(), {**copy.deepcopy(info), "cached": cached, "path": str(path)}
