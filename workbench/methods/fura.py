@@ -116,9 +116,11 @@ class FuraLinear(nn.Module):
         w = self.core.dequantized() if isinstance(self.core, QuantLinear) else self.core.weight
         return w.reshape(self.out_features, self.n, self.k)
 
-    def weight(self) -> torch.Tensor:
-        """The dense ``W = L S R`` (out, in) this layer computes."""
-        w = torch.einsum("onk,nk,nkb->onb", self.core_weight(), self.S, self.R)
+    def weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The dense ``W = L S R`` (out, in) this layer computes (in ``dtype``, e.g. float64 so
+        that a small update is not buried under float32 rounding)."""
+        cast = (lambda t: t) if dtype is None else (lambda t: t.to(dtype))
+        w = torch.einsum("onk,nk,nkb->onb", cast(self.core_weight()), cast(self.S), cast(self.R))
         return w.reshape(self.out_features, self.in_features)
 
     def forward(self, x):
@@ -187,19 +189,20 @@ def quantize_linears(model: nn.Module, targets, bits: int = 4, group_size: int =
 
 def dense_weights(model: nn.Module, names) -> dict[str, torch.Tensor]:
     """The dense weight of each named layer, whatever holds it (nn.Linear, FuRA, a peft LoRA or
-    DoRA layer, merged on a copy), detached, in float64."""
+    DoRA layer), detached, combined in float64 (so that tuned minus pretrained is the update,
+    not float32 rounding)."""
     mods = dict(model.named_modules())
     out = {}
     for n in names:
         m = mods[n]
         if isinstance(m, FuraLinear):
-            w = m.weight()
+            w = m.weight(torch.float64)
         elif hasattr(m, "get_delta_weight"):            # peft LoRA / DoRA layer
             base = m.get_base_layer()
             w0 = base.dequantized() if isinstance(base, QuantLinear) else base.weight
-            w = w0 + m.get_delta_weight(m.active_adapters[0])
+            w = w0.double() + m.get_delta_weight(m.active_adapters[0]).double()
             if m.use_dora.get(m.active_adapters[0]):
-                mag = m.lora_magnitude_vector[m.active_adapters[0]].weight
+                mag = m.lora_magnitude_vector[m.active_adapters[0]].weight.double()
                 w = mag[:, None] * w / w.norm(dim=1, keepdim=True)   # DoRA: m * V / ||V||_c
         elif isinstance(m, QuantLinear):
             w = m.dequantized()
