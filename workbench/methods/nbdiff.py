@@ -195,3 +195,140 @@ def annealed_parallel_mask(ids, frac: float, generator=None) -> torch.Tensor:
 def nelbo_ppl(total: float, count: int) -> float:
     """exp of the diffusion bound per token (an upper bound on the perplexity)."""
     return math.exp(total / max(count, 1))
+
+
+# -- data, adaptation loop, decoding ----------------------------------------------------------
+
+def task_rows(tok, examples, n: int):
+    """``(x0, start)``: ``<bos> prompt completion <eos>`` padded with ``<pad>`` to ``n`` tokens
+    (pads are noised and predicted too, as LLaDA's SFT does, so a decoder learns to stop), and
+    where each completion starts (the prompt is never noised)."""
+    x, start = [], []
+    for e in examples:
+        p = [tok.bos_token_id] + tok(e.prompt, add_special_tokens=False).input_ids
+        c = tok(e.completion(), add_special_tokens=False).input_ids + [tok.eos_token_id]
+        row = (p + c)[:n]
+        x.append(row + [tok.pad_token_id] * (n - len(row)))
+        start.append(len(p))
+    return torch.tensor(x), torch.tensor(start)
+
+
+PATHS = ("nbdiff", "anneal", "direct")
+
+
+def train_step_loss(model, x0, start, path: str, step: int, steps: int, final: int, mask_id: int,
+                    ar_weight: float, g: torch.Generator):
+    """One step's loss for an adaptation ``path``: ``nbdiff`` (context-causal clean copy, the
+    block-size curriculum up to ``final``, plus ``ar_weight`` times the AR loss), ``anneal``
+    (bd3lms' mask at ``final`` with the intra-block future switched on at random, share
+    :func:`anneal_fraction`) or ``direct`` (bd3lms' objective at ``final`` from step 0)."""
+    B, n = x0.shape
+    sizes = tuple(s for s in (1, 2, 4, 8, 16, 32) if s <= final)
+    size = curriculum(step, steps, sizes) if path == "nbdiff" else final
+    ids = torch.stack([block_ids(n, size, int(s)) for s in start])
+    noisable = ids >= 0
+    xt, masked, p = noise(x0, ids, noisable, mask_id, g)
+    pos = torch.arange(n).expand(B, n)
+    dev = next(model.parameters()).device
+    if path == "anneal":
+        frac = anneal_fraction(step, steps)
+        mask = torch.stack([annealed_parallel_mask(r, frac, g) for r in ids])
+        out = model(input_ids=torch.cat([xt, x0], 1).to(dev), attention_mask=additive(mask).to(dev),
+                    position_ids=torch.cat([pos, pos], 1).to(dev)).logits
+        logits = shifted_logits(out[:, :n], out[:, n:], ids.to(dev))
+        clean = None
+    else:
+        logits, clean = one_pass(model, x0, xt, ids, pos, context_causal=path == "nbdiff")
+    loss = diffusion_loss(logits, x0.to(dev), masked.to(dev), p.to(dev), noisable.to(dev))
+    if path == "nbdiff" and ar_weight > 0:
+        loss = loss + ar_weight * ar_loss(clean, x0.to(dev), torch.ones_like(x0, dtype=torch.bool).to(dev))
+    return loss, size
+
+
+def adapt(model, x0, start, path: str, steps: int, final: int, mask_id: int, lr: float = 1e-3,
+          batch: int = 32, ar_weight: float = 0.5, seed: int = 0) -> list[float]:
+    """Full fine-tuning of ``model`` along ``path`` (AdamW, linear decay to 10%); every step's
+    diffusion-plus-guidance loss."""
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 - 0.9 * min(i, steps) / steps)
+    model.train()
+    losses = []
+    for step in range(steps):
+        idx = torch.randint(0, len(x0), (batch,), generator=g)
+        loss, _ = train_step_loss(model, x0[idx], start[idx], path, step, steps, final, mask_id,
+                                  ar_weight, g)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@torch.no_grad()
+def decode(model, prompt_ids: list[list[int]], gen_len: int, size: int, per_pass: int,
+           mask_id: int, context_causal: bool = True, pad_id: int = 0):
+    """Block-diffusion decoding: blocks of ``size`` left to right; in each forward pass the
+    ``per_pass`` most confident masked tokens of the current block are committed (greedy).
+    The whole sequence is recomputed every pass (no KV cache). Prompts are left-padded (pad
+    columns masked). Returns ``(generated ids (B, gen_len), forward passes)``."""
+    dev = next(model.parameters()).device
+    B, L = len(prompt_ids), max(len(p) for p in prompt_ids)
+    x = torch.full((B, L + gen_len), mask_id, dtype=torch.long)
+    padn = torch.tensor([L - len(p) for p in prompt_ids])
+    for b, p in enumerate(prompt_ids):
+        x[b, :L - len(p)] = pad_id
+        x[b, L - len(p):L] = torch.tensor(p)
+    cols = torch.arange(L + gen_len)
+    pos = (cols[None] - padn[:, None]).clamp(min=0)
+    passes = 0
+    for s in range(L, L + gen_len, size):
+        e = min(s + size, L + gen_len)
+        n = e
+        # committed context: causal (context-causal) or its own blocks (bd3lms); then the block
+        ctx = torch.arange(s) if context_causal else torch.cat(
+            [torch.arange(L) - L, torch.div(torch.arange(s - L), size, rounding_mode="floor")])
+        ids = torch.cat([ctx, torch.full((e - s,), 10 ** 6)])
+        m = block_mask(ids)[None].expand(B, n, n).clone()
+        m &= (cols[None, :n] >= padn[:, None])[:, None, :]          # pads are never seen
+        m |= torch.eye(n, dtype=torch.bool)[None]                  # every row sees itself
+        while (x[:, s:e] == mask_id).any():
+            logits = model(input_ids=x[:, :n].to(dev), attention_mask=additive(m).to(dev),
+                           position_ids=pos[:, :n].to(dev)).logits[:, s - 1:e - 1].float().cpu()
+            passes += 1
+            logits[..., mask_id] = -float("inf")
+            conf, tokv = logits.softmax(-1).max(-1)
+            still = x[:, s:e] == mask_id
+            conf = conf.masked_fill(~still, -1.0)
+            k = min(per_pass, e - s)
+            top = conf.topk(k, dim=1).indices
+            pick = torch.zeros_like(still).scatter(1, top, True) & still
+            blk = x[:, s:e]
+            blk[pick] = tokv[pick]
+            x[:, s:e] = blk
+    return x[:, L:], passes
+
+
+@torch.no_grad()
+def nelbo(model, x0, start, size: int, mask_id: int, context_causal: bool, draws: int = 4,
+          seed: int = 0, batch: int = 64) -> float:
+    """Monte-Carlo diffusion bound (NELBO) per noisable token at block size ``size``, on fixed
+    noise draws (the same ``seed`` for every model compared): exp of it bounds the perplexity."""
+    g = torch.Generator().manual_seed(seed)
+    model.eval()
+    tot, cnt = 0.0, 0
+    n = x0.shape[1]
+    for _ in range(draws):
+        for i in range(0, len(x0), batch):
+            xb, sb = x0[i:i + batch], start[i:i + batch]
+            ids = torch.stack([block_ids(n, size, int(s)) for s in sb])
+            noisable = ids >= 0
+            xt, masked, p = noise(xb, ids, noisable, mask_id, g)
+            logits, _ = one_pass(model, xb, xt, ids, torch.arange(n).expand(len(xb), n), context_causal)
+            dev = logits.device
+            tot += float(diffusion_loss(logits, xb.to(dev), masked.to(dev), p.to(dev),
+                                        noisable.to(dev))) * int(noisable.sum())
+            cnt += int(noisable.sum())
+    return tot / max(cnt, 1)
