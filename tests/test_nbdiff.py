@@ -1,0 +1,112 @@
+"""Tests of paper 19 (NBDIFF): masks as a function of block size, one pass = two passes."""
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from workbench.methods import nbdiff as nd
+
+
+def tiny(vocab=40):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("n", [1, 5, 16])
+def test_block_size_one_is_causal(n):
+    causal = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    assert torch.equal(nd.block_mask(nd.block_ids(n, 1)), causal)
+    assert torch.equal(nd.block_mask(nd.block_ids(n, 1, start=3)), causal)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 8])
+def test_larger_blocks_add_only_intra_block_links(size):
+    n = 17
+    ids = nd.block_ids(n, size, start=2)
+    m, causal = nd.block_mask(ids), torch.tril(torch.ones(n, n, dtype=torch.bool))
+    assert (m | causal).equal(m)                          # every causal link kept
+    extra = m & ~causal
+    i, j = extra.nonzero().T
+    assert len(i) > 0 and torch.all(ids[i] == ids[j])    # added links stay inside a block
+    blk = ids[ids >= 0]
+    assert torch.bincount(blk).max() == size
+
+
+def test_parallel_mask_parts():
+    ids = nd.block_ids(8, 4)
+    m = nd.parallel_mask(ids, context_causal=True)
+    assert not m[8:, :8].any()                           # clean copy never sees noise
+    assert torch.equal(m[8:, 8:], torch.tril(torch.ones(8, 8, dtype=torch.bool)))
+    assert torch.equal(m[:4, :4], torch.ones(4, 4, dtype=torch.bool)) and not m[:4, 8:].any()
+    assert m[4:8, 8:12].all() and not m[4:8, 12:].any()  # offset block-causal
+    assert torch.equal(nd.parallel_mask(ids, False)[8:, 8:], nd.block_mask(ids))
+
+
+def test_4d_mask_reaches_llama():
+    model, x = tiny(), torch.randint(3, 40, (2, 12))
+    with torch.no_grad():
+        ref = model(input_ids=x).logits
+        causal = model(input_ids=x, attention_mask=nd.additive(nd.block_mask(nd.block_ids(12, 1)))
+                       .expand(2, -1, -1, -1)).logits
+        blk = model(input_ids=x, attention_mask=nd.additive(nd.block_mask(nd.block_ids(12, 4)))
+                    .expand(2, -1, -1, -1)).logits
+    assert torch.allclose(ref, causal, atol=1e-5)
+    # the first block is bidirectional: the model on its 4 tokens with a full mask
+    full = torch.ones(1, 1, 4, 4)
+    with torch.no_grad():
+        first = model(input_ids=x[:, :4], attention_mask=nd.additive(full.bool()[0, 0]).expand(2, -1, -1, -1)).logits
+        y = x.clone()
+        y[:, 8:] = (y[:, 8:] + 1) % 40
+        blk_y = model(input_ids=y, attention_mask=nd.additive(nd.block_mask(nd.block_ids(12, 4)))
+                      .expand(2, -1, -1, -1)).logits
+    assert torch.allclose(blk[:, :4], first, atol=1e-5)
+    assert (ref[:, 0] - blk[:, 0]).abs().max() > 1e-3          # position 0 now sees its block
+    assert torch.allclose(blk[:, :8], blk_y[:, :8], atol=1e-5)  # later blocks stay invisible
+    assert (blk[:, 8] - blk_y[:, 8]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("context_causal", [True, False])
+def test_one_pass_equals_two_pass(context_causal):
+    model, g = tiny(), torch.Generator().manual_seed(1)
+    B, n = 3, 14
+    x0 = torch.randint(3, 39, (B, n), generator=g)
+    ids = torch.stack([nd.block_ids(n, 4, start=s) for s in (1, 3, 5)])
+    noisable = ids >= 0
+    xt, masked, p = nd.noise(x0, ids, noisable, 39, g)
+    pos = torch.arange(n).expand(B, n)
+    with torch.no_grad():
+        a, ca = nd.one_pass(model, x0, xt, ids, pos, context_causal)
+        b, cb = nd.two_pass(model, x0, xt, ids, pos, context_causal)
+    assert masked.any()
+    la, lb = nd.diffusion_loss(a, x0, masked, p, noisable), nd.diffusion_loss(b, x0, masked, p, noisable)
+    assert abs(float(la - lb)) < 1e-4 and float(la) > 0
+    assert torch.allclose(a[:, 1:], b[:, 1:], atol=1e-4)
+    assert torch.allclose(nd.ar_loss(ca, x0, noisable), nd.ar_loss(cb, x0, noisable), atol=1e-5)
+
+
+def test_block_size_one_prediction_is_the_ar_model():
+    model, x0 = tiny(), torch.randint(3, 39, (2, 10))
+    ids = nd.block_ids(10, 1)
+    xt = torch.full_like(x0, 39)
+    with torch.no_grad():
+        pred, _ = nd.one_pass(model, x0, xt, ids, torch.arange(10).expand(2, 10))
+        ar = model(input_ids=x0).logits
+    assert torch.allclose(pred[:, 1:], ar[:, :-1], atol=1e-5)
+
+
+def test_curriculum_monotone_and_complete():
+    sizes = [nd.curriculum(s, 100) for s in range(120)]
+    assert sizes == sorted(sizes) and sizes[0] == 1 and sizes[-1] == 8
+    assert set(sizes) == {1, 2, 4, 8}
+    fr = [nd.anneal_fraction(s, 100) for s in range(100)]
+    assert fr == sorted(fr) and fr[0] == 0 and fr[-1] == 1
+
+
+def test_noise_rate_follows_t():
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.zeros(2000, 8, dtype=torch.long)
+    ids = nd.block_ids(8, 8)
+    xt, masked, p = nd.noise(x0, ids, torch.ones_like(x0, dtype=torch.bool), 5, g)
+    assert torch.all(p[:, :1] == p)                     # one t per block
+    assert abs(float(masked.float().mean()) - 0.5) < 0.02 and torch.all(xt[masked] == 5)
