@@ -129,6 +129,15 @@ def cmd_new(args) -> int:
     return 0
 
 
+def _format_cards(cards: list[dict]) -> str:
+    """The LM and pool cards as the zoo's table, the mini-CLIP cards as their own."""
+    from .models import clip, zoo
+    clips = [c for c in cards if c.get("kind") == "clip"]
+    text = zoo.format_cards([c for c in cards if c.get("kind") != "clip"])
+    return text + ("\n\nmini-CLIP: zero-shot top-1 accuracy\n" + clip.format_cards(clips)
+                   if clips else "")
+
+
 def cmd_zoo(args) -> int:
     try:
         from .models import zoo
@@ -136,14 +145,14 @@ def cmd_zoo(args) -> int:
         print(f"error: the zoo needs its dependencies ({e}); reinstall the workbench", file=sys.stderr)
         return 2
     if args.action == "list":
-        from .models import adapters
-        print("recipes: " + ", ".join(sorted(zoo.RECIPES)))
-        cards = zoo.list_built() + adapters.list_built()
+        from .models import adapters, clip
+        print("recipes: " + ", ".join(sorted(zoo.RECIPES) + [clip.NAME]))
+        cards = zoo.list_built() + adapters.list_built() + clip.list_built()
         if args.json:
             for card in cards:
                 print(json.dumps(card))
         elif cards:
-            print(zoo.format_cards(cards))
+            print(_format_cards(cards))
         else:
             print("nothing built yet: `workbench zoo build --all`")
         return 0
@@ -154,17 +163,17 @@ def cmd_zoo(args) -> int:
         for path in zoo.clear(args.name[0] if args.name else None):
             print(f"removed {path}")
         return 0
-    from .models import adapters
-    buildable = sorted(zoo.RECIPES) + [adapters.POOL_NAME]
+    from .models import adapters, clip
+    buildable = sorted(zoo.RECIPES) + [adapters.POOL_NAME, clip.NAME]
     unknown = [n for n in args.name if n not in buildable]
     if unknown:
         print(f"error: unknown recipe {unknown[0]!r}; recipes: {', '.join(buildable)}",
               file=sys.stderr)
         return 2
-    if args.all or len(args.name) > 1 or args.name == [adapters.POOL_NAME]:
+    if args.all or len(args.name) > 1 or args.name in ([adapters.POOL_NAME], [clip.NAME]):
         cards = adapters.build_all(args.scale, force=args.force, jobs=args.jobs,
                                    names=None if args.all else args.name)
-        print(zoo.format_cards(cards))
+        print(_format_cards(cards))
         failed = [c for c in cards if "error" in c]
         for c in failed:
             print(f"error: {c['name']}: {c['error']}", file=sys.stderr)

@@ -250,3 +250,27 @@ def spearman_ci(x, y, n_resamples: int = 1000, confidence: float = 0.95, seed: i
     a = (1 - confidence) / 2
     return {"rho": rho, "low": float(np.quantile(boot, a)), "high": float(np.quantile(boot, 1 - a)),
             "n": len(x)}
+
+
+# -- top Hessian eigenvalue --------------------------------------------------------------------
+def top_hessian_eigenvalue(loss_fn, params, iters: int = 20, tol: float = 1e-4,
+                           generator: torch.Generator | None = None) -> float:
+    """The largest-magnitude eigenvalue of the Hessian of ``loss_fn()`` w.r.t. ``params`` by power
+    iteration on Hessian-vector products (double backprop; PyHessian ``hessian.eigenvalues``).
+    ``loss_fn`` is called once and must build a graph through ``params``."""
+    params = [p for p in params if p.requires_grad]
+    grads = torch.autograd.grad(loss_fn(), params, create_graph=True)
+    v = [torch.randn(p.shape, generator=generator).to(p) for p in params]
+    norm = torch.sqrt(sum((x * x).sum() for x in v))
+    v = [x / norm for x in v]
+    eig = 0.0
+    for _ in range(iters):
+        hv = torch.autograd.grad(grads, params, grad_outputs=v, retain_graph=True)
+        new = float(sum((h * x).sum() for h, x in zip(hv, v)))      # Rayleigh quotient
+        norm = torch.sqrt(sum((h * h).sum() for h in hv))
+        v = [h / (norm + 1e-12) for h in hv]
+        if abs(new - eig) <= tol * max(1.0, abs(new)):
+            eig = new
+            break
+        eig = new
+    return eig

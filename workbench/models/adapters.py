@@ -209,12 +209,16 @@ def _build_one(name: str, scale: str, force: bool) -> dict:
         if name == POOL_NAME:
             pool = adapters(POOL_BASE, model_scale=scale, force=force)
             return {"name": name, **pool.card}
+        if name == CLIP_NAME:
+            from . import clip
+            return clip.build(scale, force=force)
         return zoo.build(name, scale, force=force)
     except Exception as e:          # noqa: BLE001 - report, keep building the rest
         return {"name": name, "scale": scale, "error": f"{type(e).__name__}: {e}"}
 
 
 POOL_NAME = f"lora-pool/{POOL_BASE}"
+CLIP_NAME = "clip-mini"      # workbench.models.clip.NAME (that module imports torch lazily too)
 
 
 def build_all(scale: str = "smoke", force: bool = False, jobs: int = 1,
@@ -225,11 +229,12 @@ def build_all(scale: str = "smoke", force: bool = False, jobs: int = 1,
 
     ``jobs > 1`` builds that many at a time in spawned worker processes, each training on one
     thread (the zoo's default), so two builds on a 2-core machine take about the time of one.
-    The pool goes last: by then its base is built (and if not, its file lock waits for it).
+    The pool goes last: by then its base is built (and if not, its file lock waits for it);
+    the mini-CLIP (:mod:`workbench.models.clip`) is built with them.
     ``names`` picks recipes (and :data:`POOL_NAME`) instead of all."""
     from . import zoo
     if names is None:
-        names = [n for n in zoo.RECIPES if n != "lm-micro"] + [POOL_NAME]
+        names = [n for n in zoo.RECIPES if n != "lm-micro"] + [POOL_NAME, CLIP_NAME]
     if jobs <= 1:
         return [_build_one(n, scale, force) for n in names]
     import multiprocessing as mp

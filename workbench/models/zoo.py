@@ -224,7 +224,7 @@ def card_rows(cards: list[dict]) -> list[dict]:
     the evaluated difficulties for v1 cards)."""
     rows = []
     for c in cards:
-        if "adapters" in c or "error" in c:
+        if "adapters" in c or "error" in c or c.get("kind") == "clip":
             continue
         by = c.get("task_accuracy_middle") or c.get("task_accuracy", {})
         trained = set(c.get("trained_tasks", []))

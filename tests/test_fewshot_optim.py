@@ -1,0 +1,103 @@
+"""Paper 15's diagnostics: budget matching, the second-moment estimator, power iteration."""
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from workbench.diagnostics import top_hessian_eigenvalue  # noqa: E402
+from workbench.methods import fewshot_optim as fo  # noqa: E402
+from workbench.models import clip  # noqa: E402
+from workbench.data import images  # noqa: E402
+
+TINY = clip.ClipSize(dim=16, vision_layers=1, text_layers=1, heads=2, mlp=32, proj=8, steps=2,
+                     n_per_class=2)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tok = clip.tokenizer()
+    return clip.make_model(TINY, len(tok)).eval(), tok
+
+
+def _support(n=3, k=2):
+    names = list(images.SHAPES_HELDOUT[:n])
+    x, y, _ = images.shapes(names, k, seed=3)
+    return names, torch.as_tensor(x), torch.as_tensor(y)
+
+
+def test_budget_matching_makes_first_step_norms_equal(tiny):
+    model, tok = tiny
+    names, x, y = _support()
+    clf = fo.FewShotClassifier(model, tok, names, "full")
+    sgd = fo.first_step_update(clf, x, y, "sgd", 1e-2)
+    adam = fo.first_step_update(clf, x, y, "adam", 1e-3)
+    assert sgd > 0 and adam > 0 and abs(adam - sgd) / sgd > 0.1     # they differ before matching
+    lr = fo.budget_matched_lr(1e-3, adam, sgd)
+    assert fo.first_step_update(clf, x, y, "adam", lr) == pytest.approx(sgd, rel=1e-3)
+
+
+def test_first_step_update_restores_the_model(tiny):
+    model, tok = tiny
+    names, x, y = _support()
+    clf = fo.FewShotClassifier(model, tok, names, "full")
+    before = [p.detach().clone() for p in clf.trainable()]
+    fo.first_step_update(clf, x, y, "adam", 1e-3)
+    assert all(torch.equal(a, b) for a, b in zip(before, clf.trainable()))
+
+
+def test_second_moment_estimator_on_known_gradients():
+    # logits = x W with W = 0: the cross-entropy gradient of example i is x_i (1/C - e_{y_i})^T
+    class Lin(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.W = torch.nn.Parameter(torch.zeros(3, 2))
+
+        def trainable(self):
+            return [self.W]
+
+        def forward(self, x):
+            return x @ self.W
+
+    x = torch.tensor([[1.0, 2.0, 0.0], [3.0, 0.0, 1.0]])
+    y = torch.tensor([0, 1])
+    onehot = torch.nn.functional.one_hot(y, 2).float()
+    g = [torch.outer(x[i], 0.5 - onehot[i]).reshape(-1) for i in range(2)]
+    expect = (g[0] ** 2 + g[1] ** 2) / 2
+    assert torch.allclose(fo.per_example_sq_grads(Lin(), x, y), expect)
+    r, s = fo.second_moment_ratio(torch.tensor([0.5, 2.0, 0.25, 1.0]), torch.ones(4))
+    assert torch.allclose(r, torch.tensor([0.5, 2.0, 0.25, 1.0]))
+    assert s["frac_below_1"] == 0.5 and s["median"] == pytest.approx(0.5)
+
+
+def test_per_example_sq_grads_matches_a_manual_loop(tiny):
+    model, tok = tiny
+    names, x, y = _support(2, 2)
+    clf = fo.FewShotClassifier(model, tok, names, "linear")      # head only: 2 x proj coords
+    v = fo.per_example_sq_grads(clf, x, y)
+    manual = sum(torch.autograd.grad(torch.nn.functional.cross_entropy(clf(x[i:i + 1]), y[i:i + 1]),
+                                     [clf.head])[0].reshape(-1) ** 2 for i in range(len(x))) / len(x)
+    assert v.shape == (2 * TINY.proj,) and torch.allclose(v, manual)
+
+
+def test_power_iteration_matches_the_exact_top_eigenvalue():
+    g = torch.Generator().manual_seed(0)
+    q, _ = torch.linalg.qr(torch.randn(6, 6, generator=g))
+    eig = torch.tensor([5.0, 2.0, 1.0, 0.5, -0.3, 0.1])
+    A = q @ torch.diag(eig) @ q.T
+    w = torch.nn.Parameter(torch.randn(6, generator=g))
+    lam = top_hessian_eigenvalue(lambda: 0.5 * w @ A @ w, [w], iters=200, tol=1e-8,
+                                 generator=torch.Generator().manual_seed(1))
+    assert lam == pytest.approx(5.0, rel=1e-4)
+
+
+def test_every_mode_trains_only_its_parameters(tiny):
+    model, tok = tiny
+    names, x, y = _support()
+    counts = {}
+    for mode in ("full", "linear", "coop", "lora", "adapter"):
+        clf = fo.FewShotClassifier(model, tok, names, mode)
+        counts[mode] = sum(p.numel() for p in clf.trainable())
+        before = [p.detach().clone() for p in clf.trainable()]
+        fo.train(clf, x, y, "adamw", 1e-2, 2)
+        assert any(not torch.equal(a, b) for a, b in zip(before, clf.trainable())), mode
+    assert counts["linear"] == 3 * TINY.proj and counts["coop"] == 4 * TINY.dim
+    assert counts["full"] > counts["lora"] > 0 and counts["adapter"] > 0

@@ -1,0 +1,309 @@
+"""The zoo's mini-CLIP: a ``transformers`` ``CLIPModel`` pretrained contrastively on
+image-caption pairs of :mod:`workbench.data.images` (digits and the procedural shapes family).
+
+``load(scale)`` returns ``(CLIPModel, tokenizer)``, built on first use and cached under
+``zoo_dir()/clip/`` keyed by a hash of the recipe and its sizes, behind
+:func:`workbench.models.finetune.atomic_build` (file lock, temporary directory renamed into
+place). Training: symmetric InfoNCE (Radford et al. 2021, eq. in Fig. 3) with the learned
+temperature ``logit_scale`` (clamped at ln 100 as in CLIP); each batch holds one image of every
+training class, so no two pairs of a batch share a caption class (no false negatives).
+The shapes family's held-out classes (``images.SHAPES_HELDOUT``) are never trained on.
+Importing this module imports neither torch nor transformers.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+__all__ = ["NAME", "CLIP_VERSION", "ClipSize", "SIZES", "load", "build", "ensure", "model_dir",
+           "list_built", "tokenizer", "tokenize", "image_features", "text_features",
+           "class_features", "zero_shot_logits", "zero_shot_accuracy", "info_nce", "make_model",
+           "evaluate", "format_cards"]
+
+NAME = "clip-mini"
+CLIP_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ClipSize:
+    """Sizes of one mini-CLIP build (vision ViT on SIZE x SIZE images, word-level text encoder)."""
+    dim: int = 64             # hidden size of both towers
+    vision_layers: int = 3
+    text_layers: int = 2
+    heads: int = 4
+    mlp: int = 128
+    patch: int = 4            # 16 x 16 images -> 16 patches + class token
+    proj: int = 64            # joint embedding
+    steps: int = 1500         # AdamW steps, one image of every training class a step
+    lr: float = 2e-3          # warm-up 5%, cosine to 0
+    weight_decay: float = 0.05
+    n_per_class: int = 48     # rendered training images per seen shape class
+    seed: int = 0
+
+
+SIZES = {"smoke": ClipSize(), "full": ClipSize(dim=128, vision_layers=4, text_layers=3, mlp=256,
+                                             proj=128, steps=6000, n_per_class=200)}
+
+
+def _key(scale: str, s: ClipSize) -> str:
+    from ..data import images
+    from .finetune import cache_key
+    return cache_key(NAME, CLIP_VERSION, scale, asdict(s), images.SHAPES_SEEN, images.TEMPLATES,
+                     images.SIZE)
+
+
+def model_dir(scale: str = "smoke", sizes: ClipSize | None = None) -> Path:
+    from .zoo import zoo_dir
+    s = sizes or SIZES[scale]
+    return zoo_dir() / "clip" / f"{NAME}-{scale}-{_key(scale, s)}"
+
+
+# -- text -------------------------------------------------------------------------------------
+
+def tokenizer():
+    """A word-level ``PreTrainedTokenizerFast`` over :func:`images.vocabulary` with
+    ``<bos> ... <eos>`` around every caption (CLIP pools the text at the first ``<eos>``)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    from ..data import images
+    specials = ["<pad>", "<bos>", "<unk>", "<eos>"]
+    vocab = {w: i for i, w in enumerate(specials + images.vocabulary())}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    t.post_processor = processors.TemplateProcessing(
+        single="<bos> $A <eos>", special_tokens=[("<bos>", 1), ("<eos>", 3)])
+    return PreTrainedTokenizerFast(tokenizer_object=t, pad_token="<pad>", bos_token="<bos>",
+                                   eos_token="<eos>", unk_token="<unk>")
+
+
+def tokenize(tok, texts, device="cpu") -> dict:
+    """``input_ids`` and ``attention_mask`` of ``texts``, padded to the longest."""
+    b = tok(list(texts), padding=True, return_tensors="pt")
+    return {"input_ids": b["input_ids"].to(device), "attention_mask": b["attention_mask"].to(device)}
+
+
+# -- model ------------------------------------------------------------------------------------
+
+def make_model(s: ClipSize, vocab_size: int):
+    """A fresh ``CLIPModel`` of sizes ``s`` (``CLIPVisionConfig`` / ``CLIPTextConfig``)."""
+    import torch
+    from transformers import CLIPConfig, CLIPModel, CLIPTextConfig, CLIPVisionConfig
+    from ..data import images
+    torch.manual_seed(s.seed)
+    text = CLIPTextConfig(vocab_size=vocab_size, hidden_size=s.dim, intermediate_size=s.mlp,
+                          num_hidden_layers=s.text_layers, num_attention_heads=s.heads,
+                          max_position_embeddings=16, projection_dim=s.proj,
+                          pad_token_id=0, bos_token_id=1, eos_token_id=3)
+    vision = CLIPVisionConfig(hidden_size=s.dim, intermediate_size=s.mlp,
+                              num_hidden_layers=s.vision_layers, num_attention_heads=s.heads,
+                              num_channels=3, image_size=images.SIZE, patch_size=s.patch,
+                              projection_dim=s.proj)
+    cfg = CLIPConfig(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                     projection_dim=s.proj)
+    return CLIPModel(cfg)
+
+
+def info_nce(logits_per_image):
+    """Symmetric InfoNCE of a square logit matrix whose diagonal holds the matching pairs:
+    ``(CE(L, arange) + CE(L^T, arange)) / 2`` (image->text and text->image)."""
+    import torch
+    import torch.nn.functional as F
+    t = torch.arange(logits_per_image.shape[0], device=logits_per_image.device)
+    return 0.5 * (F.cross_entropy(logits_per_image, t) + F.cross_entropy(logits_per_image.T, t))
+
+
+def image_features(model, x, normalize: bool = True, batch: int = 1024):
+    """Projected image embeddings of ``x`` ((N, 3, 16, 16) in [0, 1], array or tensor), L2-
+    normalised by default; gradients flow (wrap in ``torch.no_grad()`` to evaluate)."""
+    import torch
+    x = torch.as_tensor(x, dtype=torch.float32, device=next(model.parameters()).device)
+    f = torch.cat([_pooled(model.get_image_features(pixel_values=x[i: i + batch]))
+                   for i in range(0, len(x), batch)])
+    return torch.nn.functional.normalize(f, dim=-1) if normalize else f
+
+
+def text_features(model, tok, texts, normalize: bool = True):
+    """Projected text embeddings of ``texts``, L2-normalised by default."""
+    import torch
+    b = tokenize(tok, texts, next(model.parameters()).device)
+    f = _pooled(model.get_text_features(**b))
+    return torch.nn.functional.normalize(f, dim=-1) if normalize else f
+
+
+def _pooled(out):
+    # transformers 5 returns a model output from get_*_features; 4.x returned the tensor
+    return out if hasattr(out, "shape") else out.pooler_output
+
+
+def class_features(model, tok, names, templates=(0,)):
+    """One normalised text embedding per class name: the mean over ``templates`` of
+    :func:`images.caption`, renormalised (CLIP's prompt ensemble; template 0 alone by default)."""
+    import torch
+    from ..data import images
+    fs = torch.stack([text_features(model, tok, [images.caption(n, t) for n in names])
+                      for t in templates]).mean(0)
+    return torch.nn.functional.normalize(fs, dim=-1)
+
+
+def zero_shot_logits(model, tok, x, names, templates=(0,)):
+    """``logit_scale * cos(image, class prompt)``: (N, len(names)) zero-shot logits."""
+    w = class_features(model, tok, names, templates)
+    return model.logit_scale.exp() * image_features(model, x) @ w.T
+
+
+def zero_shot_accuracy(model, tok, x, y, names, templates=(0,)) -> float:
+    """Top-1 zero-shot accuracy of ``model`` on ``(x, y)`` among the classes ``names``."""
+    import torch
+    with torch.no_grad():
+        pred = zero_shot_logits(model, tok, x, names, templates).argmax(-1).cpu()
+    return float((pred == torch.as_tensor(y)).float().mean())
+
+
+# -- building ---------------------------------------------------------------------------------
+
+def _train(s: ClipSize, threads: int | None = None, log=None):
+    """Train a mini-CLIP of sizes ``s``; returns ``(model, tok, losses)``."""
+    import numpy as np
+    import torch
+    from ..data import images
+    if threads:
+        torch.set_num_threads(threads)
+    tok = tokenizer()
+    model = make_model(s, len(tok))
+    xs, ys, _ = images.shapes(images.SHAPES_SEEN, s.n_per_class, seed=s.seed)
+    xd, yd, _ = images.digits("train")
+    names = list(images.SHAPES_SEEN) + list(images.DIGIT_NAMES)
+    x = torch.as_tensor(np.concatenate([xs, xd]))
+    y = np.concatenate([ys, yd + len(images.SHAPES_SEEN)])
+    members = [np.flatnonzero(y == k) for k in range(len(names))]
+    # the tokenised captions of every (class, template) pair
+    caps = tokenize(tok, [images.caption(n, t) for n in names
+                          for t in range(len(images.TEMPLATES))])
+    n_t = len(images.TEMPLATES)
+    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay)
+    warm = max(1, s.steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: min(1.0, (i + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(i, s.steps)
+                                                                          / s.steps)))
+    rng = np.random.default_rng([s.seed, 3])
+    losses = []
+    model.train()
+    for step in range(s.steps):
+        idx = np.array([m[rng.integers(len(m))] for m in members])   # one image per class
+        tpl = rng.integers(0, n_t, len(names))
+        rows = np.arange(len(names)) * n_t + tpl
+        out = model(pixel_values=x[idx], input_ids=caps["input_ids"][rows],
+                    attention_mask=caps["attention_mask"][rows])
+        loss = info_nce(out.logits_per_image)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            model.logit_scale.clamp_(0, math.log(100))
+        losses.append(float(loss.detach()))
+        if log and (step + 1) % 200 == 0:
+            log(f"step {step + 1}/{s.steps} loss {np.mean(losses[-200:]):.3f}")
+    return model.eval(), tok, losses
+
+
+def evaluate(model, tok, n_per_class: int = 10, seed: int = 99) -> dict:
+    """Zero-shot accuracies (template 0) on fresh images: shapes seen classes (among seen),
+    held-out classes (among held-out, and among all 144), digits test split; with chance."""
+    from ..data import images
+    xs, ys, _ = images.shapes(images.SHAPES_SEEN, n_per_class, seed)
+    xh, yh, _ = images.shapes(images.SHAPES_HELDOUT, n_per_class, seed)
+    xd, yd, _ = images.digits("test")
+    allc = list(images.SHAPES_CLASSES)
+    yh_all = [allc.index(images.SHAPES_HELDOUT[k]) for k in yh]
+    ns, nh = len(images.SHAPES_SEEN), len(images.SHAPES_HELDOUT)
+    return {
+        "shapes_seen": {"acc": zero_shot_accuracy(model, tok, xs, ys, images.SHAPES_SEEN),
+                        "chance": 1 / ns, "classes": ns},
+        "shapes_heldout": {"acc": zero_shot_accuracy(model, tok, xh, yh, images.SHAPES_HELDOUT),
+                           "chance": 1 / nh, "classes": nh},
+        "shapes_heldout_among_all": {"acc": zero_shot_accuracy(model, tok, xh, yh_all, allc),
+                                     "chance": 1 / len(allc), "classes": len(allc)},
+        "digits_test": {"acc": zero_shot_accuracy(model, tok, xd, yd, images.DIGIT_NAMES),
+                        "chance": 0.1, "classes": 10},
+        "n_per_class": n_per_class, "eval_seed": seed}
+
+
+def ensure(scale: str = "smoke", sizes: ClipSize | None = None, force: bool = False) -> Path:
+    """Build the mini-CLIP at ``scale`` once (file lock, atomic rename); return its directory.
+    ``force`` is accepted for the CLI and ignored: a finished build is never replaced."""
+    import os
+    from .finetune import atomic_build
+    s = sizes or SIZES[scale]
+    path = model_dir(scale, s)
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def build_into(tmp: Path) -> dict:
+        t0 = time.time()
+        model, tok, losses = _train(s)
+        train_s = time.time() - t0
+        card = {"name": NAME, "scale": scale, "kind": "clip", "arch": "CLIPModel (ViT + text)",
+                "parameters": sum(p.numel() for p in model.parameters()),
+                "sizes": asdict(s), "key": _key(scale, s),
+                "train_seconds": round(train_s, 1),
+                "final_loss": round(sum(losses[-50:]) / len(losses[-50:]), 4),
+                "logit_scale": round(float(model.logit_scale.detach().exp()), 2),
+                "zero_shot": evaluate(model, tok),
+                "load_at_build": os.getloadavg()[0], "torch_threads": _threads()}
+        card["build_seconds"] = round(time.time() - t0, 1)
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "card.json").write_text(json.dumps(card, indent=2))
+        return {"built": True}
+
+    atomic_build(path, build_into)
+    return path
+
+
+def _threads() -> int:
+    import torch
+    return torch.get_num_threads()
+
+
+def load(scale: str = "smoke", device: str = "cpu", sizes: ClipSize | None = None):
+    """``(CLIPModel, tokenizer)`` of the mini-CLIP at ``scale``, in eval mode on ``device``,
+    built on first use; its card is ``model.zoo_card``."""
+    from transformers import CLIPModel, PreTrainedTokenizerFast
+    path = ensure(scale, sizes)
+    model = CLIPModel.from_pretrained(path, dtype="float32").to(device).eval()
+    tok = PreTrainedTokenizerFast.from_pretrained(path)
+    model.zoo_card = json.loads((path / "card.json").read_text())
+    return model, tok
+
+
+def build(scale: str = "smoke", force: bool = False) -> dict:
+    """Build (when not cached) and return the card (what ``workbench zoo build clip-mini`` does)."""
+    return json.loads((ensure(scale, force=force) / "card.json").read_text())
+
+
+def list_built() -> list[dict]:
+    """The cards of every finished mini-CLIP in the cache, each with its ``path``."""
+    from .zoo import zoo_dir
+    root = zoo_dir() / "clip"
+    out = []
+    for card in sorted(root.glob("*/card.json")) if root.exists() else []:
+        if not card.parent.name.startswith("."):
+            out.append({**json.loads(card.read_text()), "path": str(card.parent)})
+    return out
+
+
+def format_cards(cards: list[dict]) -> str:
+    """The mini-CLIP cards as a Markdown table (zero-shot accuracy vs chance)."""
+    lines = ["| model | params | build s | shapes seen | shapes held-out | held-out among all "
+             "| digits |", "|" + "---|" * 7]
+    for c in cards:
+        z = c["zero_shot"]
+        cell = lambda k: f"{z[k]['acc']:.2f} (chance {z[k]['chance']:.3f})"   # noqa: E731
+        lines.append(f"| {c['name']} ({c['scale']}) | {c['parameters'] / 1e6:.2f}M | "
+                     f"{c['build_seconds']} | {cell('shapes_seen')} | {cell('shapes_heldout')} | "
+                     f"{cell('shapes_heldout_among_all')} | {cell('digits_test')} |")
+    return "\n".join(lines)
