@@ -235,7 +235,7 @@ def evaluate(model, tok, n_per_class: int = 10, seed: int = 99) -> dict:
 
 def ensure(scale: str = "smoke", sizes: ClipSize | None = None, force: bool = False) -> Path:
     """Build the mini-CLIP at ``scale`` once (file lock, atomic rename); return its directory.
-    ``force`` is accepted for the CLI and ignored: a finished build is never replaced."""
+    ``force`` trains it again and replaces the finished build (``workbench zoo build --force``)."""
     import os
     from .finetune import atomic_build
     s = sizes or SIZES[scale]
@@ -260,7 +260,7 @@ def ensure(scale: str = "smoke", sizes: ClipSize | None = None, force: bool = Fa
         (tmp / "card.json").write_text(json.dumps(card, indent=2))
         return {"built": True}
 
-    atomic_build(path, build_into)
+    atomic_build(path, build_into, force=force)
     return path
 
 

@@ -47,12 +47,27 @@ def cache_key(*parts) -> str:
     return hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def atomic_build(path: Path, build) -> Path:
+def atomic_build(path: Path, build, force: bool = False) -> Path:
     """Run ``build(tmp)`` once under a file lock, then rename ``tmp`` to ``path`` (the zoo's way:
-    concurrent callers build once, a half-written result is never read)."""
+    concurrent callers build once, a half-written result is never read). ``force`` builds again
+    and replaces a finished result (the old one is moved aside only once the new one is done)."""
     from filelock import FileLock
-    if (path / "done.json").exists():
+    if (path / "done.json").exists() and not force:
         return path
+    with FileLock(str(path) + ".lock"):
+        if (path / "done.json").exists() and not force:
+            return path
+        tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        info = build(tmp)
+        (tmp / "done.json").write_text(json.dumps(info or {}, indent=2, default=str))
+        if path.exists():
+            old = path.parent / f".{path.name}.old-{os.getpid()}"
+            os.rename(path, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.rename(tmp, path)
+    return path
     with FileLock(str(path) + ".lock"):
         if (path / "done.json").exists():
             return path
