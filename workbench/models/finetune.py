@@ -68,16 +68,6 @@ def atomic_build(path: Path, build, force: bool = False) -> Path:
             shutil.rmtree(old, ignore_errors=True)
         os.rename(tmp, path)
     return path
-    with FileLock(str(path) + ".lock"):
-        if (path / "done.json").exists():
-            return path
-        tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        info = build(tmp)
-        (tmp / "done.json").write_text(json.dumps(info or {}, indent=2, default=str))
-        os.rename(tmp, path)
-    return path
 
 
 def lora_model(model, rank: int = 8, scale: float = 2.0, seed: int | None = None,
