@@ -83,6 +83,15 @@ def test_digits_split_is_disjoint_and_captions_name_the_class():
     assert sum(r.tobytes() in flat for r in xte.reshape(len(xte), -1)) < 0.05 * len(xte)
 
 
+def test_add_noise_is_seeded_clipped_and_shifts_the_images():
+    x, _, _ = images.digits("test")
+    a, b = images.add_noise(x, 0.35, 5), images.add_noise(x, 0.35, 5)
+    assert torch.equal(a, b) and not torch.equal(a, images.add_noise(x, 0.35, 6))
+    assert float(a.min()) >= 0 and float(a.max()) <= 1
+    assert float((a - torch.as_tensor(x)).abs().mean()) > 0.1
+    assert torch.equal(images.add_noise(x, 0.0, 5), torch.as_tensor(x))
+
+
 def test_cache_round_trip(tmp_path, monkeypatch):
     monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))
     s = replace(TINY, steps=2)

@@ -22,7 +22,7 @@ import numpy as np
 
 __all__ = ["SIZE", "SHAPES", "COLOURS", "TEXTURES", "DIGIT_NAMES", "SHAPES_CLASSES",
            "SHAPES_SEEN", "SHAPES_HELDOUT", "TEMPLATES", "classes", "caption", "shapes",
-           "digits", "family", "vocabulary"]
+           "digits", "family", "vocabulary", "add_noise"]
 
 SIZE = 16
 SHAPES = ("circle", "square", "triangle", "cross", "ring", "diamond")
@@ -170,3 +170,12 @@ def family(name: str, which: str = "seen", n_per_class: int = 20, seed: int = 0,
     names = classes("shapes", which)
     x, y, caps = shapes(names, n_per_class, seed)
     return x, y, caps, names
+
+
+def add_noise(x, sigma: float, seed: int):
+    """A domain shift: ``x`` plus seeded Gaussian pixel noise of std ``sigma``, clipped to [0, 1]
+    (a torch tensor; the zoo's CLIP never saw noisy images, so zero-shot accuracy drops)."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    x = torch.as_tensor(x)
+    return (x + sigma * torch.randn(x.shape, generator=g)).clamp(0, 1)

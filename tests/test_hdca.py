@@ -1,0 +1,200 @@
+"""Paper 03 (HDCA): the radial compression, the Poincare distance classifier, the adapters and
+the class-incremental metrics. geoopt's Poincare ball is the reference geometry."""
+import math
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+with warnings.catch_warnings():       # geoopt 0.5.1 calls the deprecated torch.jit.script
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import geoopt  # noqa: E402  (the test extra's reference, not optional)
+
+from workbench.methods import hdca  # noqa: E402
+
+
+def _rand(n, d, seed=0, scale=1.0):
+    return scale * torch.randn(n, d, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+
+def _unit(n, d, seed=0):
+    return torch.nn.functional.normalize(_rand(n, d, seed), dim=-1)
+
+
+# -- compression (eq. 1) ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("c", [0.5, 1.0, 16.0])
+def test_compression_keeps_direction_and_matches_geoopt_expmap0(c):
+    u = _rand(50, 12, 1) * torch.logspace(-4, 1, 50, dtype=torch.float64)[:, None]
+    k = hdca.compress(u, c)
+    cos = torch.nn.functional.cosine_similarity(k, u, dim=-1)
+    assert torch.allclose(cos, torch.ones_like(cos), atol=1e-12)
+    ball = geoopt.PoincareBall(c=c)
+    assert torch.allclose(k, ball.expmap0(u, project=False), atol=1e-10)
+    r = u.norm(dim=-1)
+    assert torch.allclose(k.norm(dim=-1), torch.tanh(math.sqrt(c) * r) / math.sqrt(c), atol=1e-12)
+
+
+@pytest.mark.parametrize("c", [1.0, 16.0])
+def test_compression_is_monotone_bounded_and_identity_near_zero(c):
+    r = torch.logspace(-6, 3, 400, dtype=torch.float64)
+    u = r[:, None] * torch.tensor([[0.6, -0.8]], dtype=torch.float64)
+    rho = hdca.compress(u, c).norm(dim=-1)
+    assert (rho.diff() >= -1e-12).all() and (rho.diff()[:200] > 0).all()   # monotone (strict until
+    # float64 saturates tanh at the top of the range; 1e-12: norm round-off)
+    assert (rho < 1 / math.sqrt(c) + 1e-12).all() and (rho <= r + 1e-15).all()   # bounded, shrinks
+    ratio = hdca.compression_ratio(r, c)
+    assert ratio[0] == pytest.approx(1.0, abs=1e-9)               # ratio -> 1 as the norm -> 0
+    assert (ratio.diff() <= 1e-15).all()                          # decreasing: sublinear growth
+    assert ratio[-1] < 1e-2 and float(hdca.compression_ratio(0.0, c)) == 1.0
+
+
+def test_compression_off_is_the_identity():
+    u = _rand(4, 3)
+    assert hdca.compress(u, 0.0) is u
+
+
+# -- Poincare ball (eq. 3) ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("c", [1.0, 4.0])
+def test_mobius_add_and_distance_match_geoopt(c):
+    ball = geoopt.PoincareBall(c=c)
+    x = ball.expmap0(_rand(30, 8, 2, 0.5 / math.sqrt(c)))
+    y = ball.expmap0(_rand(30, 8, 3, 0.8 / math.sqrt(c)))
+    assert torch.allclose(hdca.mobius_add(x, y, c), ball.mobius_add(x, y), atol=1e-10)
+    d = hdca.poincare_distance(x, y, c)
+    assert torch.allclose(d, ball.dist(x, y), atol=1e-8)
+    assert torch.allclose(d, hdca.poincare_distance(y, x, c), atol=1e-10)      # symmetric
+    # closed form: arcosh(1 + 2c|x-y|^2 / ((1 - c|x|^2)(1 - c|y|^2))) / sqrt(c)
+    num = 2 * c * ((x - y) ** 2).sum(-1)
+    den = (1 - c * (x ** 2).sum(-1)) * (1 - c * (y ** 2).sum(-1))
+    assert torch.allclose(d, torch.acosh(1 + num / den) / math.sqrt(c), atol=1e-8)
+    assert hdca.poincare_distance(x, x, c).abs().max() < 1e-6
+
+
+def test_poincare_tau_matches_the_cosine_logit_range():
+    z = torch.tensor([[1.0, 0.0], [-1.0, 0.0]], dtype=torch.float64)
+    w = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
+    lp = hdca.poincare_logits(z, w, scale=30.0, alpha=1.0, c=1.0)
+    assert float(lp[0, 0] - lp[1, 0]) == pytest.approx(60.0, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_poincare_classifier_keeps_the_cosine_ranking(seed):
+    z, w = _unit(200, 16, seed), _unit(12, 16, seed + 10)
+    lc = hdca.cosine_logits(z, w, 30.0)
+    lp = hdca.poincare_logits(z, w, 30.0, alpha=1.0, c=1.0)
+    assert torch.equal(lc.argmax(-1), lp.argmax(-1))
+    assert torch.equal(lc.argsort(-1), lp.argsort(-1))
+    assert not torch.allclose(lc - lc.mean(-1, keepdim=True), lp - lp.mean(-1, keepdim=True),
+                              atol=1e-2)        # the same order, different logits
+
+
+def test_poincare_gradient_is_reshaped_where_similarity_is_high():
+    cos = torch.tensor([-0.5, 0.0, 0.5, 0.9, 0.99])
+    gc = hdca.logit_slope(cos, "cosine", 30.0)
+    gp = hdca.logit_slope(cos, "poincare", 30.0)
+    assert torch.allclose(gc, torch.full_like(gc, 30.0))            # cosine: a constant slope
+    assert (gp > 0).all() and (gp.diff() > 0).all()                 # grows with similarity
+    assert gp[-1] / gp[1] > 3
+
+
+# -- adapters (eq. 2) ---------------------------------------------------------------------------
+
+def test_adapter_starts_as_the_identity_and_freezes_old_sessions():
+    f = _unit(10, 8).float()
+    ad = hdca.HDCAAdapter(8, rank=2, per_session=True, c_task=4.0, c_cum=4.0)
+    ad.new_session()
+    assert torch.allclose(ad(f), f, atol=1e-6)
+    assert len(ad.trainable()) == 2
+    ad.new_session()
+    assert len(ad.adapters) == 2 and len(ad.trainable()) == 2
+    assert all(not p.requires_grad for p in ad.adapters[0].parameters())
+    seq = hdca.HDCAAdapter(8, rank=2, per_session=False)
+    seq.new_session()
+    seq.new_session()
+    assert len(seq.adapters) == 1 and len(seq.trainable()) == 2
+
+
+def test_displacement_is_bounded_per_task_and_cumulatively():
+    f = _unit(20, 8, 4).float()
+    ad = hdca.HDCAAdapter(8, rank=3, per_session=True, c_task=4.0, c_cum=16.0)
+    for _ in range(4):
+        ad.new_session()
+        with torch.no_grad():
+            ad.adapters[-1].B.normal_(0, 50.0)                     # huge raw updates
+    raw = sum(ad.residuals(f)).norm(dim=-1)
+    per_task = torch.stack([hdca.compress(u, 4.0).norm(dim=-1) for u in ad.residuals(f)])
+    assert (per_task <= 0.5 + 1e-6).all()
+    disp = ad.displacement(f).norm(dim=-1)
+    assert (disp <= 0.25 + 1e-6).all() and (raw > 10).all()
+    plain = hdca.HDCAAdapter(8, rank=3, per_session=True)
+    plain.adapters = ad.adapters                                  # the same factors, no kappa
+    assert torch.allclose(plain.displacement(f).norm(dim=-1), raw)
+
+
+def _train_on(n_classes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.nn.functional.normalize(torch.randn(n_classes, 8, generator=g), dim=-1)
+    y = torch.arange(n_classes).repeat(5)
+    f = torch.nn.functional.normalize(w[y] + 0.8 * torch.randn(len(y), 8, generator=g), dim=-1)
+    ad = hdca.HDCAAdapter(8, rank=2, per_session=True, c_task=4.0, c_cum=4.0)
+    ad.new_session()
+    hdca.train_session(ad, f, y, w, "poincare", 10.0, steps=5, lr=1e-2, generator=g)
+    return ad.state_dict()
+
+
+def test_saved_state_holds_no_per_class_statistics():
+    # the state is the adapter factors only; its keys and shapes do not depend on the classes
+    s2, s5 = _train_on(2), _train_on(5)
+    assert set(s2) == set(s5) == {"adapters.0.A", "adapters.0.B"}
+    assert all(s2[k].shape == s5[k].shape for k in s2)
+    assert s2["adapters.0.A"].shape == (2, 8) and s2["adapters.0.B"].shape == (8, 2)
+
+
+def test_training_a_session_lowers_its_loss():
+    g = torch.Generator().manual_seed(0)
+    w = torch.nn.functional.normalize(torch.randn(4, 8, generator=g), dim=-1)
+    y = torch.arange(4).repeat(10)
+    f = torch.nn.functional.normalize(torch.randn(len(y), 8, generator=g), dim=-1)
+    ad = hdca.HDCAAdapter(8, rank=4, per_session=True, c_task=1.0, c_cum=1.0)
+    ad.new_session()
+    out = hdca.train_session(ad, f, y, w, "poincare", 10.0, steps=60, lr=3e-2, generator=g,
+                             log_every=10)
+    assert out["loss"][-1] < out["loss"][0] - 0.1
+    assert len(out["raw"]) == 6 and all(c <= r + 1e-6 for r, c in zip(out["raw"], out["compressed"]))
+
+
+# -- metrics (PyCIL) ----------------------------------------------------------------------------
+
+def test_cil_metrics_follow_pycil():
+    table = np.array([[0.9, 0.6, 0.5], [np.nan, 0.8, 0.4], [np.nan, np.nan, 0.7]])
+    curve = [0.9, 0.7, 0.55]
+    m = hdca.cil_metrics(table, curve)
+    assert m["avg_incremental"] == pytest.approx(np.mean(curve))
+    assert m["last"] == pytest.approx(0.55)
+    assert m["forgetting"] == pytest.approx(((0.9 - 0.5) + (0.8 - 0.4)) / 2)
+
+
+def test_session_splits_partition_the_classes():
+    s = hdca.session_splits(10, 5, seed=3)
+    assert len(s) == 5 and all(len(p) == 2 for p in s)
+    assert sorted(np.concatenate(s).tolist()) == list(range(10))
+    assert not all(np.array_equal(a, b) for a, b in zip(s, hdca.session_splits(10, 5, seed=4)))
+
+
+def test_run_sessions_on_separable_features():
+    g = torch.Generator().manual_seed(1)
+    w = torch.nn.functional.normalize(torch.randn(6, 16, generator=g), dim=-1)
+    y = torch.arange(6).repeat(8)
+    f = torch.nn.functional.normalize(w[y] + 0.3 * torch.randn(len(y), 16, generator=g), dim=-1)
+    splits = hdca.session_splits(6, 3, seed=0)
+    zs = hdca.run_sessions(f, y, f, y, w, splits, None, "cosine", 20.0, 0, 0.0)
+    assert zs["table"].shape == (3, 3) and np.isnan(zs["table"][1, 0])
+    assert zs["last"] > 0.9                                       # separable: zero-shot is right
+    ad = hdca.HDCAAdapter(16, rank=2, per_session=True, c_task=4.0, c_cum=4.0)
+    r = hdca.run_sessions(f, y, f, y, w, splits, ad, "poincare", 20.0, 20, 1e-2, seed=0)
+    assert len(r["displacement"]) == 3 and len(ad.adapters) == 3
+    assert all(d["cumulative"] <= 0.5 + 1e-6 for d in r["displacement"])
