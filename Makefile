@@ -25,7 +25,7 @@ run: zoo  ## every notebook at smoke scale, then the report
 
 # the backbones the notebooks load and the LoRA pool (lm-gpt2 and lm-qwen2 join when a notebook
 # uses them; `workbench zoo build --all` builds every recipe)
-ZOO_MODELS ?= lm-tiny lm-base lm-instruct lm-reasoning lm-qbed lora-pool/lm-base clip-mini
+ZOO_MODELS ?= lm-tiny lm-base lm-instruct lm-reasoning lm-qbed lm-gpt2 lm-qwen2 lora-pool/lm-base clip-mini
 
 zoo: $(STAMP)  ## the zoo models the notebooks use, built once into the cache (a no-op when cached)
 	$(VENV)/bin/workbench zoo build $(ZOO_MODELS) --jobs 2
