@@ -71,21 +71,26 @@ def atomic_build(path: Path, build, force: bool = False) -> Path:
 
 
 def lora_model(model, rank: int = 8, scale: float = 2.0, seed: int | None = None,
-               use_dora: bool = False, custom_modules: dict | None = None):
+               use_dora: bool = False, custom_modules: dict | None = None,
+               targets: list[str] | None = None, **lora_kwargs):
     """``model`` with a fresh ``peft`` LoRA on every attention and MLP projection it has
     (:data:`TARGETS`), ``lora_alpha = scale * rank`` (Hu et al. 2021, eq. 3: ``scale`` is
     alpha / r); ``seed`` seeds torch first (A's init) when given. ``use_dora`` makes it peft's
     DoRA (Liu et al. 2024: a trained magnitude per output times the normalized W + B A);
     ``custom_modules`` maps a layer type peft does not know (such as a quantized linear) to the
-    peft LoRA layer that wraps it (``LoraConfig._register_custom_module``)."""
+    peft LoRA layer that wraps it (``LoraConfig._register_custom_module``). ``targets``
+    replaces :data:`TARGETS` (e.g. full module names, to adapt only some layers) and
+    ``lora_kwargs`` go to ``LoraConfig`` as they are (``use_rslora``, ``init_lora_weights``,
+    ``modules_to_save``)."""
     import torch
     from peft import LoraConfig, get_peft_model
     present = {n.split(".")[-1] for n, _ in model.named_modules()}
     if seed is not None:
         torch.manual_seed(seed)
     config = LoraConfig(r=rank, lora_alpha=scale * rank, lora_dropout=0.0,
-                        target_modules=[t for t in TARGETS if t in present],
-                        task_type="CAUSAL_LM", use_dora=use_dora)
+                        target_modules=list(targets) if targets is not None
+                        else [t for t in TARGETS if t in present],
+                        task_type="CAUSAL_LM", use_dora=use_dora, **lora_kwargs)
     if custom_modules:
         config._register_custom_module(custom_modules)
     return get_peft_model(model, config)

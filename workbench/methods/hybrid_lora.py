@@ -1,0 +1,311 @@
+"""Hybrid-LoRA: full fine-tuning where a low-rank update falls short, LoRA elsewhere, for RLVR.
+
+Paper 04 (NeurIPS 2026, ``papers/04-hybrid-lora.md``). RL with verifiable rewards (RLVR) trains
+the policy with GRPO: for each problem q, G completions o_1..o_G are sampled and scored by the
+task's verifier, r_i in {0, 1}, and every token of o_i gets the group-normalized advantage
+
+    A_i = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + 1e-4)                                  (1)
+
+(:func:`group_advantages`). With the importance ratio rho_{i,t} = pi(o_{i,t} | ...) / pi_old(...)
+the GRPO loss is the clipped surrogate, averaged over the tokens of each completion and then over
+completions, optionally with a KL penalty to the reference policy (k3 estimator),
+
+    L = -1/G sum_i 1/|o_i| sum_t [ min(rho A_i, clip(rho, 1-e, 1+e) A_i) - beta KL_t ]     (2)
+
+GSPO replaces the token ratio by the sequence ratio s_i = exp(1/|o_i| sum_t log rho_{i,t})
+(:func:`grpo_loss` with ``level="sequence"``). Training itself runs in TRL's ``GRPOTrainer``
+(:func:`train_grpo`); :func:`grpo_loss` is eq. (2) written out, used for the probe gradient and
+checked against TRL's loss on the same batch in the tests.
+
+**The Hybrid-LoRA Score.** On one probe batch of rollouts, take each candidate module's policy
+gradient G_m = dL/dW_m (eq. 2 at rho = 1, i.e. the REINFORCE direction with advantages (1)) and
+measure the share of its energy a rank-r update cannot hold (Eckart-Young):
+
+    score_m = 1 - sum_{i<=r} sigma_i(G_m)^2 / sum_i sigma_i(G_m)^2                         (3)
+
+(:func:`hybrid_score`). The top-scored modules within a budget of 10% of the candidates are
+fully fine-tuned, the rest get LoRA (:func:`select_modules`, :func:`make_policy`): in ``peft``
+the full modules are ``modules_to_save`` (a trained copy; disabling the adapter restores the
+original, so TRL's KL reference stays the base model), the others LoRA layers.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..data import tasks
+from ..models import finetune
+
+METHODS = ("full", "lora", "rslora", "dora", "pissa", "hybrid", "random")
+
+
+@dataclass(frozen=True)
+class GRPOSettings:
+    """One GRPO run (TRL ``GRPOConfig`` fields in brackets)."""
+    steps: int = 40              # optimizer steps [max_steps]
+    prompts: int = 8             # problems per step; each gets ``group`` completions
+    group: int = 8               # G, completions per problem [num_generations]
+    max_new_tokens: int = 5      # completion length cap [max_completion_length]
+    temperature: float = 1.0     # sampling temperature of the rollouts
+    lr: float = 1e-3             # AdamW learning rate of dense (fully fine-tuned) weights
+    lr_adapter: float = 3e-3     # AdamW learning rate of LoRA / DoRA / PiSSA factors
+    epsilon: float = 0.2         # clip range e of eq. (2)
+    beta: float = 0.0            # KL coefficient to the reference (0: no reference model)
+    num_iterations: int = 1      # updates per rollout batch (> 1 makes the clip bite) [mu]
+    level: str = "token"         # "token" (GRPO) or "sequence" (GSPO) importance ratio
+    every: int = 10              # evaluate greedy reward on held-out problems every this many steps
+    seed: int = 0                # the trainer's seed: prompt order, sampling, LoRA init
+
+
+# -- eq. (1) and (2) ----------------------------------------------------------------------------
+
+def group_advantages(rewards: torch.Tensor, group: int, scale: bool = True) -> torch.Tensor:
+    """Eq. (1): each reward minus its group's mean, over the group's std (unbiased, as TRL) +
+    1e-4; ``rewards`` is (n_problems * group,) with each problem's completions adjacent."""
+    r = rewards.float().view(-1, group)
+    a = r - r.mean(1, keepdim=True)
+    if scale:
+        a = a / (r.std(1, keepdim=True) + 1e-4)
+    return a.reshape(-1)
+
+
+def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+              epsilon: float = 0.2, epsilon_high: float | None = None, level: str = "token",
+              beta: float = 0.0, ref_logp: torch.Tensor | None = None,
+              kl_correction: bool = True) -> torch.Tensor:
+    """Eq. (2): the clipped surrogate on (B, T) per-token log-probs of the completions, masked,
+    mean over each completion's tokens then over completions (TRL's ``loss_type="grpo"``).
+    ``level="sequence"`` is GSPO's ratio, the geometric mean of the token ratios.
+    ``kl_correction`` multiplies the KL term by the (unclipped) ratio, TRL's default
+    (``use_bias_correction_kl``: the unbiased reverse-KL gradient of DeepSeek-V3.2); without it
+    the KL term is the original GRPO one."""
+    eh = epsilon if epsilon_high is None else epsilon_high
+    log_ratio = logp - old_logp
+    if level == "sequence":                     # GSPO: one ratio per completion, length-normalized
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    elif level != "token":
+        raise ValueError(f"level must be 'token' or 'sequence', not {level!r}")
+    ratio = torch.exp(log_ratio)
+    a = adv.unsqueeze(1)
+    per_token = -torch.min(ratio * a, torch.clamp(ratio, 1 - epsilon, 1 + eh) * a)
+    if beta:
+        d = ref_logp - logp                     # k3 estimator of KL(pi || pi_ref), >= 0
+        kl = torch.exp(d) - d - 1
+        per_token = per_token + beta * (kl * ratio if kl_correction else kl)
+    return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+
+
+# -- rollouts from generate ---------------------------------------------------------------------
+
+def rollouts(model, tok, examples: list, group: int, max_new_tokens: int, temperature: float = 1.0,
+             seed: int = 0) -> dict:
+    """``group`` sampled completions per example (``model.generate``, ``<bos>`` + prompt, left
+    padded), their verifier rewards and the tensors eq. (2) needs; the completion mask runs
+    through the first ``<eos>``."""
+    device = next(model.parameters()).device
+    tok.padding_side = "left"
+    prompts = [tok.bos_token + e.prompt for e in examples for _ in range(group)]
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=True,
+                             temperature=temperature, top_k=0, top_p=1.0,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    comp = gen[:, enc["input_ids"].shape[1]:]
+    is_eos = comp == tok.eos_token_id
+    first = torch.where(is_eos.any(1), is_eos.int().argmax(1), comp.shape[1])
+    mask = (torch.arange(comp.shape[1], device=device)[None] <= first[:, None]).long()
+    texts = tok.batch_decode(comp, skip_special_tokens=True)
+    rewards = torch.tensor([tasks.score(e, t) for e, t in
+                            zip([e for e in examples for _ in range(group)], texts)])
+    return {"prompt_ids": enc["input_ids"], "prompt_mask": enc["attention_mask"],
+            "completion_ids": comp, "completion_mask": mask, "rewards": rewards, "texts": texts}
+
+
+def completion_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """(B, T) log-probabilities of the completion tokens under ``model`` (as TRL computes them:
+    one forward on prompt + completion, the logits that predict each completion token)."""
+    ids = torch.cat([prompt_ids, completion_ids], 1)
+    att = torch.cat([prompt_mask, completion_mask], 1)
+    logits = model(input_ids=ids, attention_mask=att).logits[:, prompt_ids.shape[1] - 1:-1]
+    return torch.log_softmax(logits.float(), -1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+
+
+# -- the Hybrid-LoRA Score ----------------------------------------------------------------------
+
+def candidate_modules(model, targets=finetune.TARGETS) -> list[str]:
+    """Names of the linear projections that can be adapted (attention and MLP), in model order."""
+    return [n for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in targets]
+
+
+def probe_gradients(model, tok, examples: list, group: int, max_new_tokens: int,
+                    temperature: float = 1.0, seed: int = 0) -> tuple[dict, dict]:
+    """The policy gradient dL/dW of eq. (2) (at rho = 1) of every candidate module on one probe
+    batch of rollouts of ``examples``; returns ``({name: grad}, batch statistics)``. ``model``
+    is left unchanged (its gradients are cleared)."""
+    names = candidate_modules(model)
+    mods = dict(model.named_modules())
+    batch = rollouts(model, tok, examples, group, max_new_tokens, temperature, seed)
+    adv = group_advantages(batch["rewards"], group)
+    model.zero_grad(set_to_none=True)
+    req = {n: p.requires_grad for n, p in model.named_parameters()}
+    for n in names:
+        mods[n].weight.requires_grad_(True)
+    logp = completion_logps(model, batch["prompt_ids"], batch["prompt_mask"],
+                            batch["completion_ids"], batch["completion_mask"])
+    grpo_loss(logp, logp.detach(), adv, batch["completion_mask"].float()).backward()
+    grads = {n: mods[n].weight.grad.detach().clone() for n in names}
+    model.zero_grad(set_to_none=True)
+    for n, p in model.named_parameters():
+        p.requires_grad_(req[n])
+    r = batch["rewards"].view(-1, group)
+    stats = {"reward": float(r.mean()), "groups_with_signal": float((r.std(1) > 0).float().mean()),
+             "n_rollouts": int(r.numel())}
+    return grads, stats
+
+
+def hybrid_score(grad: torch.Tensor, rank: int) -> float:
+    """Eq. (3): the share of ``grad``'s energy (squared Frobenius norm) outside its top-``rank``
+    singular subspace, i.e. what the best rank-r update misses (0: low rank suffices)."""
+    s2 = torch.linalg.svdvals(grad.double()) ** 2
+    total = float(s2.sum())
+    return 0.0 if total == 0 else float(s2[rank:].sum()) / total
+
+
+def module_budget(n_candidates: int, budget: float = 0.1) -> int:
+    """How many modules a budget of ``budget`` (a share of the candidates) allows: the floor,
+    at least one, so the budget is never exceeded beyond that one."""
+    return max(1, math.floor(budget * n_candidates + 1e-9))
+
+
+def select_modules(scores: dict, budget: float = 0.1) -> list[str]:
+    """The top-scored modules within the budget (ties keep model order)."""
+    k = module_budget(len(scores), budget)
+    return sorted(scores, key=lambda n: -scores[n])[:k]
+
+
+def random_modules(names: list[str], k: int, seed: int) -> list[str]:
+    """The control: ``k`` candidates drawn uniformly at random (seeded)."""
+    g = torch.Generator().manual_seed(seed)
+    return [names[i] for i in sorted(torch.randperm(len(names), generator=g)[:k].tolist())]
+
+
+# -- the methods --------------------------------------------------------------------------------
+
+def make_policy(model, method: str, rank: int, scale: float, full_modules=(), seed: int = 0):
+    """``model`` ready for ``method``: ``full`` trains every weight; ``lora``, ``rslora``
+    (alpha / sqrt(r)), ``dora`` and ``pissa`` (A, B from the top-r SVD of W, W the residual)
+    are ``peft`` LoRA on every candidate; ``hybrid`` and ``random`` fully fine-tune
+    ``full_modules`` (``modules_to_save``) and put LoRA on the other candidates."""
+    if method == "full":
+        for p in model.parameters():
+            p.requires_grad_(True)
+        return model
+    kw = {"lora": {}, "rslora": {"use_rslora": True}, "dora": {"use_dora": True},
+          "pissa": {"init_lora_weights": "pissa"}}
+    if method in kw:
+        return finetune.lora_model(model, rank, scale, seed, **kw[method])
+    if method in ("hybrid", "random"):
+        rest = [n for n in candidate_modules(model) if n not in set(full_modules)]
+        return finetune.lora_model(model, rank, scale, seed, targets=rest,
+                                   modules_to_save=list(full_modules))
+    raise ValueError(f"unknown method {method!r}; methods are {METHODS}")
+
+
+def param_groups(model, s: GRPOSettings) -> list[dict]:
+    """AdamW groups: dense weights at ``s.lr``, adapter factors (LoRA A/B, DoRA magnitudes) at
+    ``s.lr_adapter``."""
+    dense, adapter = [], []
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            (adapter if "lora_" in n else dense).append(p)
+    return [g for g in ({"params": dense, "lr": s.lr}, {"params": adapter, "lr": s.lr_adapter})
+            if g["params"]]
+
+
+def trainable(model) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def optimizer_state_bytes(opt) -> int:
+    """Bytes of the optimizer's state tensors (AdamW: the two moments of every trained weight)."""
+    return sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+               if torch.is_tensor(v) and v.dim() > 0)
+
+
+def heldout_reward(model, tok, examples: list) -> float:
+    """Mean verifier reward of greedy completions on held-out problems."""
+    from ..models import zoo
+    was = model.training
+    model.eval()
+    acc = zoo.exact_match(model, tok, examples)
+    model.train(was)
+    return acc
+
+
+def train_grpo(model, tok, train: list, heldout: list, s: GRPOSettings, out_dir) -> dict:
+    """GRPO on ``train`` problems with TRL's ``GRPOTrainer`` (eq. 1 and 2: ``loss_type="grpo"``,
+    ``scale_rewards="group"``), rewards from the task verifiers; every ``s.every`` steps the
+    greedy reward on ``heldout`` problems. Returns the per-step rollout reward, the held-out
+    curve, the trainable count, the optimizer-state bytes and the step times."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    by_prompt = {tok.bos_token + e.prompt: e for e in train}
+
+    def reward(prompts, completions, **_):
+        return [tasks.score(by_prompt[p], c) for p, c in zip(prompts, completions)]
+
+    curve = {0: heldout_reward(model, tok, heldout)}
+
+    class Heldout(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **_):
+            if state.global_step % s.every == 0 or state.global_step == s.steps:
+                curve[state.global_step] = heldout_reward(model, tok, heldout)
+
+    device = next(model.parameters()).device
+    cfg = GRPOConfig(output_dir=str(out_dir), max_steps=s.steps, per_device_train_batch_size=s.prompts * s.group,
+                     num_generations=s.group, max_completion_length=s.max_new_tokens,
+                     temperature=s.temperature, top_k=0, top_p=1.0, beta=s.beta, epsilon=s.epsilon,
+                     num_iterations=s.num_iterations, importance_sampling_level=s.level,
+                     loss_type="grpo", scale_rewards="group", learning_rate=s.lr,
+                     lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+                     logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True,
+                     use_cpu=device.type == "cpu", bf16=False, seed=s.seed, data_seed=s.seed,
+                     log_completions=False)
+    opt = torch.optim.AdamW(param_groups(model, s), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    tok.padding_side = "left"
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, processing_class=tok,
+                          train_dataset=Dataset.from_dict({"prompt": list(by_prompt)}),
+                          optimizers=(opt, sched), callbacks=[Heldout()])
+    t0 = time.time()
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    return {"reward": [float(h["reward"]) for h in logs],
+            "clip_region": [float(h.get("clip_ratio/region_mean", 0.0)) for h in logs],
+            "step_time": [float(h["step_time"]) for h in logs if "step_time" in h],
+            "heldout": {int(k): float(v) for k, v in sorted(curve.items())},
+            "trainable": trainable(model), "optimizer_bytes": optimizer_state_bytes(opt),
+            "train_seconds": round(time.time() - t0, 2), "settings": asdict(s)}
+
+
+def cached_run(group: str, key_parts: list, build) -> dict:
+    """One GRPO run's record, built once by ``build(tmp) -> dict`` and cached as JSON under
+    ``cache_root(group)`` (:func:`workbench.models.finetune.atomic_build`)."""
+    import json
+    path = finetune.cache_root(group) / f"run-{finetune.cache_key(*key_parts)}"
+    cached = (path / "done.json").exists()
+
+    def _build(tmp):
+        rec = build(tmp / "trainer")
+        (tmp / "record.json").write_text(json.dumps(rec))
+        return {"train_seconds": rec.get("train_seconds")}
+
+    finetune.atomic_build(path, _build)
+    rec = json.loads((path / "record.json").read_text())
+    return {**rec, "cached": cached}
