@@ -46,3 +46,12 @@ def test_cli_new_reports_errors(monkeypatch, tmp_path, capsys):
     assert (tmp_path / "notebooks" / "97-cli-demo.ipynb").exists()
     assert main(["new", "97-cli-demo"]) == 2
     assert "exists" in capsys.readouterr().err
+
+
+def test_hygiene_sees_repeated_cell_ids(tmp_path):
+    path = new_notebook("97-ids", directory=tmp_path)
+    assert not any("ids repeat" in p for p in hygiene_problems(path))
+    nb = json.loads(path.read_text())
+    nb["cells"][1]["id"] = nb["cells"][0]["id"]
+    path.write_text(json.dumps(nb))
+    assert any("ids repeat" in p for p in hygiene_problems(path))

@@ -112,6 +112,11 @@ def hygiene_problems(path: Path) -> list[str]:
             problems.append(f"cell {i} has stored outputs or an execution count")
         if "id" not in c:
             problems.append(f"cell {i} has no id")
+    ids = [c["id"] for c in cells if "id" in c]
+    if len(set(ids)) != len(ids):
+        # nbformat "corrects" a repeated id with a fresh random one on every read, so a
+        # notebook with one changes each time it is opened and saved
+        problems.append("cell ids repeat: give each cell its own id")
     ks = nb.get("metadata", {}).get("kernelspec", {})
     if ks.get("name") != "python3" or ks.get("display_name") != KERNELSPEC["display_name"]:
         problems.append(f"kernel spec is {ks!r}, want name 'python3' / 'Python 3 (ipykernel)'")
