@@ -24,7 +24,7 @@ from ..models import clip
 
 __all__ = ["FewShotClassifier", "make_optimizer", "train", "accuracy", "per_example_sq_grads",
            "second_moment_ratio", "first_step_update", "budget_matched_lr", "distance_from_init",
-           "add_noise", "OPTIMIZERS", "PEFT"]
+           "OPTIMIZERS", "PEFT"]
 
 
 class FewShotClassifier(nn.Module):
@@ -111,13 +111,6 @@ class FewShotClassifier(nn.Module):
 
     def trainable(self):
         return [p for p in self.parameters() if p.requires_grad]
-
-
-def add_noise(x, sigma: float, seed: int):
-    """The target domain: ``x`` plus seeded Gaussian pixel noise of std ``sigma``, clipped."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.as_tensor(x)
-    return (x + sigma * torch.randn(x.shape, generator=g)).clamp(0, 1)
 
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "adam_budget", "adam_numerator", "shampoo", "soap")
