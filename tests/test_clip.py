@@ -108,3 +108,22 @@ def test_cache_round_trip(tmp_path, monkeypatch):
     assert m1.zoo_card["parameters"] == sum(p.numel() for p in m1.parameters())
     assert clip.model_dir("smoke", replace(s, seed=1)) != path      # the key covers the sizes
     assert [c["path"] for c in clip.list_built()] == [str(path)]
+
+
+def test_build_trains_on_one_thread_whatever_the_caller_uses(tmp_path, monkeypatch):
+    # a 2-thread build's weights differ from a 1-thread build's (and ran 3.4x slower beside a
+    # second build), so the key alone would not say which model a cache holds
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))
+    before = torch.get_num_threads()
+    seen = []
+    real_train = clip._train
+    monkeypatch.setattr(clip, "_train", lambda s, **kw: (seen.append(torch.get_num_threads()),
+                                                         real_train(s, **kw))[1])
+    torch.set_num_threads(2)
+    try:
+        path = clip.ensure("smoke", sizes=replace(TINY, steps=1))
+        assert seen == [clip.BUILD_THREADS] and torch.get_num_threads() == 2   # restored
+    finally:
+        torch.set_num_threads(before)
+    import json
+    assert json.loads((path / "card.json").read_text())["torch_threads"] == clip.BUILD_THREADS

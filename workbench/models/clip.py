@@ -25,6 +25,7 @@ __all__ = ["NAME", "CLIP_VERSION", "ClipSize", "SIZES", "load", "build", "ensure
 
 NAME = "clip-mini"
 CLIP_VERSION = 1
+BUILD_THREADS = 1     # torch threads while building at smoke (see ensure)
 
 
 @dataclass(frozen=True)
@@ -243,6 +244,18 @@ def ensure(scale: str = "smoke", sizes: ClipSize | None = None, force: bool = Fa
     path.parent.mkdir(parents=True, exist_ok=True)
 
     def build_into(tmp: Path) -> dict:
+        import torch
+        # one thread, whoever calls: the weights depend on the thread count (conv and addmm
+        # reduction order: a 2-thread build differed from a 1-thread one by up to 0.36 in a
+        # weight), and in a two-job `zoo build` a 2-thread build ran 3.4x slower (275 s, 82 s)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(BUILD_THREADS)
+        try:
+            return _build_into(tmp)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _build_into(tmp: Path) -> dict:
         t0 = time.time()
         model, tok, losses = _train(s)
         train_s = time.time() - t0
