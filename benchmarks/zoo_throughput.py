@@ -58,12 +58,18 @@ def step_flops(model, s) -> float:
     return 6 * n + 12 * s.n_layers * s.ctx * s.d_model
 
 
-def loop_tps(recipe, s, threads: int, steps: int, reps: int, compile_: bool = False):
-    torch.set_num_threads(threads)
-    torch.manual_seed(0)
+def training_data(recipe, s):
+    """The tokenizer, prose token ids and packed task rows a build of ``recipe`` trains on."""
     tok = corpus.train_tokenizer(s.vocab, extra_text=corpus.task_lines(zoo.ALL_FAMILIES, 100, 2, True))
     text_ids = torch.tensor(corpus.encode_documents(tok, corpus.train_text()), dtype=torch.long)
     task_x, task_y = zoo._task_rows(recipe, s, tok)
+    return tok, text_ids, task_x, task_y
+
+
+def loop_tps(recipe, s, threads: int, steps: int, reps: int, compile_: bool = False):
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    tok, text_ids, task_x, task_y = training_data(recipe, s)
     model = zoo.make_model(recipe.arch, s, tok)
     if compile_:
         model = torch.compile(model)
@@ -87,15 +93,11 @@ def invariance(names=("lm-base", "lm-qwen2", "lm-gpt2"), steps: int = 15):
     for name in names:
         r = zoo.RECIPES[name]
         s = replace(r.smoke, steps=steps)
+        tok, text_ids, task_x, task_y = training_data(r, s)   # the same for both runs
         states = []
         for th in (1, 2):
             torch.set_num_threads(th)
             torch.manual_seed(r.seed)
-            tok = corpus.train_tokenizer(s.vocab, extra_text=corpus.task_lines(
-                zoo.ALL_FAMILIES, 100, 2, True))
-            text_ids = torch.tensor(corpus.encode_documents(tok, corpus.train_text()),
-                                    dtype=torch.long)
-            task_x, task_y = zoo._task_rows(r, s, tok)
             model = zoo.make_model(r.arch, s, tok)
             opt, sched = zoo._optimizer(model, s)
             zoo.LOOPS[r.loop](model, opt, sched, text_ids, task_x, task_y, r, s, tok.pad_token_id,

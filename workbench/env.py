@@ -6,9 +6,11 @@ It imports nothing from the package, so every other module can depend on it (one
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["project_root", "cache_dir", "strict_mode", "interactive", "batch_mode", "in_ipython"]
+__all__ = ["project_root", "cache_dir", "strict_mode", "interactive", "batch_mode", "in_ipython",
+           "torch_threads"]
 
 
 def project_root() -> Path:
@@ -67,3 +69,17 @@ def _parent_is_papermill() -> bool:
     except OSError:
         return False
     return b"papermill" in cmd or b"pytest" in cmd
+
+
+@contextmanager
+def torch_threads(n: int):
+    """torch runs on ``n`` CPU threads inside the block and on the caller's count after it. The
+    zoo's builds pin theirs: on a shared 2-core CPU, OpenMP threads waiting for each other beside
+    a second build made steps up to 10x slower, and some builds' weights depend on the count."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(int(n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

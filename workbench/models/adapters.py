@@ -31,6 +31,7 @@ POOL_VERSION = 1
 MIXTURES = {"strings": ("reverse", "sort", "rotate", "swap", "dedupe"),
             "arith": ("add", "sub", "mul"),
             "recall": ("kv", "count", "pattern")}
+from ..env import torch_threads
 from .finetune import TARGETS, lora_model, train_steps  # noqa: F401 (TARGETS re-exported)
 
 
@@ -155,9 +156,7 @@ def _build(base, model_scale, names, rank, lora_scale, size: PoolSize, out: Path
             "lora_scale": lora_scale, "size": asdict(size), "pool_version": POOL_VERSION,
             "eval": "greedy exact match at each family's middle difficulty, held-out prompts",
             "base_accuracy": score(model), "adapters": {}}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(int(os.environ.get("WORKBENCH_ZOO_THREADS", "1")))
-    try:
+    with torch_threads(os.environ.get("WORKBENCH_ZOO_THREADS", 1)):
         for name in progress(names, desc=f"LoRA pool on {base}"):
             t0 = time.time()
             fams = members(name)
@@ -181,8 +180,6 @@ def _build(base, model_scale, names, rank, lora_scale, size: PoolSize, out: Path
                 "gain_over_base": round(own - base_own, 4), "final_loss": losses[-1],
                 "train_seconds": round(train_s, 1),
                 "seconds": round(time.time() - t0, 1)}
-    finally:
-        torch.set_num_threads(threads)
     card["build_seconds"] = round(time.time() - t_all, 1)
     out.mkdir(parents=True, exist_ok=True)
     (out / "card.json").write_text(json.dumps(card, indent=2))

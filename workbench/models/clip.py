@@ -165,13 +165,11 @@ def zero_shot_accuracy(model, tok, x, y, names, templates=(0,)) -> float:
 
 # -- building ---------------------------------------------------------------------------------
 
-def _train(s: ClipSize, threads: int | None = None, log=None):
+def _train(s: ClipSize, log=None):
     """Train a mini-CLIP of sizes ``s``; returns ``(model, tok, losses)``."""
     import numpy as np
     import torch
     from ..data import images
-    if threads:
-        torch.set_num_threads(threads)
     tok = tokenizer()
     model = make_model(s, len(tok))
     xs, ys, _ = images.shapes(images.SHAPES_SEEN, s.n_per_class, seed=s.seed)
@@ -238,22 +236,18 @@ def ensure(scale: str = "smoke", sizes: ClipSize | None = None, force: bool = Fa
     """Build the mini-CLIP at ``scale`` once (file lock, atomic rename); return its directory.
     ``force`` trains it again and replaces the finished build (``workbench zoo build --force``)."""
     import os
+    from ..env import torch_threads
     from .finetune import atomic_build
     s = sizes or SIZES[scale]
     path = model_dir(scale, s)
     path.parent.mkdir(parents=True, exist_ok=True)
 
     def build_into(tmp: Path) -> dict:
-        import torch
         # one thread, whoever calls: the weights depend on the thread count (conv and addmm
         # reduction order: a 2-thread build differed from a 1-thread one by up to 0.36 in a
         # weight), and in a two-job `zoo build` a 2-thread build ran 3.4x slower (275 s, 82 s)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(BUILD_THREADS)
-        try:
+        with torch_threads(BUILD_THREADS):
             return _build_into(tmp)
-        finally:
-            torch.set_num_threads(threads)
 
     def _build_into(tmp: Path) -> dict:
         t0 = time.time()

@@ -363,17 +363,13 @@ def _task_rows(r: Recipe, s: Size, tok, exs=None):
 
 
 def _train_and_save(r: Recipe, scale: str, out: Path) -> dict:
-    import torch
-    threads = torch.get_num_threads()
+    from ..env import torch_threads
     # Small matmuls on a shared CPU: one thread avoids OpenMP spin-waiting, which we measured
     # making a 2-thread step ~10x slower under contention (v1). v2 recipes name their threads
     # (benchmarks/zoo_throughput.py measures both). WORKBENCH_ZOO_THREADS overrides either.
     default = r.size(scale).threads if r.loop != "v1" else 1
-    torch.set_num_threads(int(os.environ.get("WORKBENCH_ZOO_THREADS", default)))
-    try:
+    with torch_threads(os.environ.get("WORKBENCH_ZOO_THREADS", default)):
         return _train_and_save_inner(r, scale, out)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _optimizer(model, s: Size):
