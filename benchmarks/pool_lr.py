@@ -35,14 +35,15 @@ def main():
     args = ap.parse_args()
 
     from workbench.models import adapters, zoo
+    from workbench import evaluate
     from workbench.models.finetune import lora_model, train_steps
     torch.set_num_threads(args.threads)
     size = adapters.POOL_SIZES["smoke"]
     _, tok = zoo.load(adapters.POOL_BASE)
-    with_steps = zoo._recipe(adapters.POOL_BASE).with_steps
+    with_steps = zoo.recipe(adapters.POOL_BASE).with_steps
     print(f"{'family':8} {'lr':>8} {'steps':>5} {'exact':>6} {'loss':>6} {'train s':>7}")
     for fam in args.families:
-        held = zoo.heldout_examples(fam, zoo.MIDDLE[fam], size.eval_examples, seed=999)[0]
+        held = evaluate.heldout_examples(fam, evaluate.MIDDLE[fam], size.eval_examples, seed=999)[0]
         banned = {e.prompt for e in held}
         exs, pairs = adapters._train_pairs((fam,), size.n_train, with_steps, tok)
         pairs = [p for e, p in zip(exs, pairs) if e.prompt not in banned]
@@ -54,7 +55,7 @@ def main():
             losses = train_steps(peft_model, pairs, args.steps, size.batch, lr, 0, tok.pad_token_id)
             seconds = time.time() - t0
             peft_model.eval()
-            acc = zoo.exact_match(peft_model, tok, held, with_steps)
+            acc = evaluate.exact_match(peft_model, tok, held, with_steps)
             print(f"{fam:8} {lr:8.0e} {args.steps:5d} {acc:6.3f} {losses[-1]:6.3f} {seconds:7.1f}",
                   flush=True)
 

@@ -33,16 +33,17 @@ def main():
     a = ap.parse_args()
     os.environ.setdefault("WORKBENCH_PROGRESS", "0")
     from workbench.models import zoo
+    from workbench.models import training
     out = Path(a.out or tempfile.mkdtemp(prefix="zoo_steps-"))
     for name in a.recipes:
-        r = zoo._recipe(name)
+        r = zoo.recipe(name)
         cached = zoo.model_dir(name) / "card.json"
         rows = []
         if cached.exists():
             rows.append((r.smoke.steps, json.loads(cached.read_text())))
         for steps in a.steps:
             rs = replace(r, smoke=replace(r.smoke, steps=steps))
-            rows.append((steps, zoo._train_and_save(rs, "smoke", out / f"{name}-{steps}")))
+            rows.append((steps, training.train_and_save(rs, "smoke", out / f"{name}-{steps}")))
         for steps, c in rows:
             mid = c["task_accuracy_middle"]
             fams = ", ".join(f"{f} {mid[f]:.2f}" for f in r.train_tasks)

@@ -31,6 +31,7 @@ import torch
 
 from workbench.data import corpus
 from workbench.models import zoo
+from workbench.models import training
 
 
 def matmul_gflops(tokens: int, d: int, d_ff: int, threads: int, reps: int) -> tuple[float, float]:
@@ -62,7 +63,7 @@ def training_data(recipe, s):
     """The tokenizer, prose token ids and packed task rows a build of ``recipe`` trains on."""
     tok = corpus.train_tokenizer(s.vocab, extra_text=corpus.task_lines(zoo.ALL_FAMILIES, 100, 2, True))
     text_ids = torch.tensor(corpus.encode_documents(tok, corpus.train_text()), dtype=torch.long)
-    task_x, task_y = zoo._task_rows(recipe, s, tok)
+    task_x, task_y = training.task_rows(recipe, s, tok)
     return tok, text_ids, task_x, task_y
 
 
@@ -70,11 +71,11 @@ def loop_tps(recipe, s, threads: int, steps: int, reps: int, compile_: bool = Fa
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     tok, text_ids, task_x, task_y = training_data(recipe, s)
-    model = zoo.make_model(recipe.arch, s, tok)
+    model = training.make_model(recipe.arch, s, tok)
     if compile_:
         model = torch.compile(model)
-    opt, sched = zoo._optimizer(model, s)
-    loop = zoo.LOOPS[recipe.loop]
+    opt, sched = training.optimizer(model, s)
+    loop = training.LOOPS[recipe.loop]
     args = (model, opt, sched, text_ids, task_x, task_y, recipe, s, tok.pad_token_id, "cpu")
     loop = functools.partial(loop, bos_id=tok.bos_token_id)   # v3: per-example positions
     loop(*args, steps=3, desc="warm-up")
@@ -98,9 +99,9 @@ def invariance(names=("lm-base", "lm-qwen2", "lm-gpt2"), steps: int = 15):
         for th in (1, 2):
             torch.set_num_threads(th)
             torch.manual_seed(r.seed)
-            model = zoo.make_model(r.arch, s, tok)
-            opt, sched = zoo._optimizer(model, s)
-            zoo.LOOPS[r.loop](model, opt, sched, text_ids, task_x, task_y, r, s, tok.pad_token_id,
+            model = training.make_model(r.arch, s, tok)
+            opt, sched = training.optimizer(model, s)
+            training.LOOPS[r.loop](model, opt, sched, text_ids, task_x, task_y, r, s, tok.pad_token_id,
                               "cpu", desc="invariance", bos_id=tok.bos_token_id)
             states.append(model.state_dict())
         out[name] = max(float((states[0][k] - states[1][k]).abs().max()) for k in states[0])

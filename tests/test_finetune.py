@@ -25,12 +25,6 @@ def test_cached_lora_trains_once_and_changes_the_model(tmp_path, monkeypatch):
         assert not torch.allclose(a, base(**ids).logits)
 
 
-def test_cache_key_covers_every_part():
-    k = finetune.cache_key("a", [1, 2], {"x": 1})
-    assert k == finetune.cache_key("a", [1, 2], {"x": 1})
-    assert k != finetune.cache_key("a", [2, 1], {"x": 1}) != finetune.cache_key("a", [1, 2], {"x": 2})
-
-
 def test_train_steps_callback_sees_every_step_and_can_stop():
     pytest.importorskip("torch")
     from workbench.data import packing
@@ -55,20 +49,3 @@ def test_lora_model_dora_adds_magnitudes():
     outs = sum(mod.out_features for name, mod in lora.named_modules()
                if name.endswith(finetune.TARGETS) and hasattr(mod, "lora_A"))
     assert n(dora) - n(lora) == outs          # one magnitude per output unit of every layer
-
-
-def test_atomic_build_builds_once_and_force_replaces(tmp_path):
-    calls = []
-
-    def build(tmp):
-        calls.append(tmp)
-        (tmp / "value.txt").write_text(str(len(calls)))
-        return {"n": len(calls)}
-
-    where = tmp_path / "thing"
-    finetune.atomic_build(where, build)
-    finetune.atomic_build(where, build)                 # cached: not built again
-    assert len(calls) == 1 and (where / "value.txt").read_text() == "1"
-    finetune.atomic_build(where, build, force=True)     # rebuilt, the old result replaced
-    assert len(calls) == 2 and (where / "value.txt").read_text() == "2"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["thing", "thing.lock"]   # no leftovers

@@ -68,3 +68,28 @@ def test_the_cli_starts_without_torch():
     code = "import sys, workbench.cli, workbench.batch, workbench.report; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def private_reaches(paths) -> list[str]:
+    """``module._name`` uses of a workbench module's private name from outside that module."""
+    import re
+    names = {p.stem for p in PKG.rglob("*.py") if p.stem != "__init__"}
+    pat = re.compile(r"\b(" + "|".join(sorted(names)) + r")\._[a-z]\w*")
+    found = []
+    for p in paths:
+        for m in pat.finditer(Path(p).read_text()):
+            if Path(p).stem != m.group(1):
+                found.append(f"{p}: {m.group(0)}")
+    return found
+
+
+def test_private_reach_finder_finds_one(tmp_path):
+    f = tmp_path / "x.py"
+    f.write_text("zoo._recipe('lm-base')\nzoo.recipe('lm-base')\n")
+    assert private_reaches([f]) == [f"{f}: zoo._recipe"]
+
+
+def test_nothing_reaches_another_modules_private_names():
+    root = PKG.parent
+    files = list(PKG.rglob("*.py")) + list((root / "notebooks").glob("*.ipynb"))
+    assert private_reaches(files) == []

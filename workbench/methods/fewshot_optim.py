@@ -96,14 +96,14 @@ class FewShotClassifier(nn.Module):
             return F.normalize(self.head, dim=-1)
         self._in_coop = True
         try:
-            f = clip._pooled(self.model.get_text_features(input_ids=self.ids,
+            f = clip.pooled(self.model.get_text_features(input_ids=self.ids,
                                                           attention_mask=self.mask))
         finally:
             self._in_coop = False
         return F.normalize(f, dim=-1)
 
     def forward(self, x):
-        f = clip._pooled(self.model.get_image_features(pixel_values=x))
+        f = clip.pooled(self.model.get_image_features(pixel_values=x))
         if self.mode == "adapter":
             f = F.normalize(f, dim=-1)
             f = f + self.alpha * self.adapter(f)       # CLIP-Adapter's residual blend

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ..quant import QuantLinear, rtn
+from .. import cache
 
 
 def closest_factor_pair(d: int) -> tuple[int, int]:
@@ -324,15 +325,15 @@ def cached_finetune(base: str, zoo_scale: str, method: str, pairs, settings: dic
                     every: int, device: str = "cpu"):
     """Fine-tune zoo model ``base`` with ``method`` on ``pairs`` (``packing.encode`` rows) once,
     evaluating ``evaluate(model) -> dict`` every ``every`` steps, and cache the trainable
-    tensors and that trajectory (``finetune.atomic_build``, keyed by the base model's key, the
+    tensors and that trajectory (``cache.build``, keyed by the base model's key, the
     rows and ``settings``: lr, steps, batch, seed, rank, lora_scale, bits, group_size, and
     whatever names the evaluation). Returns ``(model, info)``: the tuned model in eval mode and
     ``{"trajectory": [...], "train_seconds", "cached"}``."""
     import copy
     import json
     from ..models import finetune, zoo
-    key = finetune.cache_key(zoo._recipe(base).key(zoo_scale), method, pairs, settings)
-    path = finetune.cache_root(GROUP) / f"{method}-{base}-{zoo_scale}-{key}"
+    key = cache.key(zoo.recipe(base).key(zoo_scale), method, pairs, settings)
+    path = cache.folder(GROUP) / f"{method}-{base}-{zoo_scale}-{key}"
     cached = (path / "done.json").exists()
     s = settings
 
@@ -357,7 +358,7 @@ def cached_finetune(base: str, zoo_scale: str, method: str, pairs, settings: dic
         return {"trajectory": traj, "train_seconds": round(time.time() - t0, 2),
                 "settings": {k: v for k, v in s.items() if k != "eval"}}
 
-    finetune.atomic_build(path, build)
+    cache.build(path, build)
     model = fresh()
     state = torch.load(path / "trainable.pt")
     missing = set(state) - {n for n, _ in model.named_parameters()}

@@ -36,6 +36,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from .. import cache
+
 IGNORE = -100
 
 # the projections the low-level router adapts, per architecture: attention output and MLP output
@@ -304,13 +306,14 @@ def adapted_completions(model, tok, haps: HAPS, name: str, prompts: list[str],
                         batch: int = 64) -> list[str]:
     """Greedy completions of candidate ``name`` with each prompt's own generated LoRA."""
     from ..models import zoo
+    from .. import evaluate
     mods = [m for _, m, _, _ in target_modules(model)]
     device = next(model.parameters()).device
     outs = []
     with torch.no_grad():
         for i in range(0, len(prompts), batch):
             with lora_hooks(mods, haps.lora(x[i: i + batch].to(device), name), scale):
-                outs += zoo.generate(model, tok, prompts[i: i + batch], max_new_tokens,
+                outs += evaluate.generate(model, tok, prompts[i: i + batch], max_new_tokens,
                                      batch=batch)
     return outs
 
@@ -389,13 +392,13 @@ def teacher_forced(model, tok, examples, with_steps: bool, batch: int = 128):
 
 def static_scores(names, zoo_scale: str, models: dict, toks: dict, splits: dict) -> dict:
     """Per candidate, per split, per example: greedy exact match (the family's verifier) and the
-    answer loss of the static model, computed once and cached (``finetune.atomic_build``)."""
+    answer loss of the static model, computed once and cached (``cache.build``)."""
     import json
     from ..data import tasks
     from ..models import finetune, zoo
-    key = finetune.cache_key([zoo._recipe(n).key(zoo_scale) for n in names],
+    key = cache.key([zoo.recipe(n).key(zoo_scale) for n in names],
                              {s: [e.prompt for e in ex] for s, ex in splits.items()})
-    path = finetune.cache_root(GROUP) / f"static-{zoo_scale}-{key}"
+    path = cache.folder(GROUP) / f"static-{zoo_scale}-{key}"
 
     def build(tmp):
         out = {}
@@ -403,7 +406,7 @@ def static_scores(names, zoo_scale: str, models: dict, toks: dict, splits: dict)
             ws = zoo.RECIPES[n].with_steps
             out[n] = {}
             for split, ex in splits.items():
-                comps = zoo.generate(models[n], toks[n], [e.prompt for e in ex],
+                comps = evaluate.generate(models[n], toks[n], [e.prompt for e in ex],
                                      max_new_tokens(toks[n], ex, ws))
                 loss, _ = teacher_forced(models[n], toks[n], ex, ws)
                 out[n][split] = {"correct": [tasks.score(e, c) for e, c in zip(ex, comps)],
@@ -411,7 +414,7 @@ def static_scores(names, zoo_scale: str, models: dict, toks: dict, splits: dict)
         (tmp / "scores.json").write_text(json.dumps(out))
         return {"names": list(names)}
 
-    finetune.atomic_build(path, build)
+    cache.build(path, build)
     return json.loads((path / "scores.json").read_text())
 
 
@@ -426,10 +429,10 @@ def cached_haps(names, zoo_scale: str, models: dict, toks: dict, train, test,
     from ..data import tasks
     from ..models import finetune, zoo
     shapes = {n: [(i, o) for _, _, i, o in target_modules(models[n])] for n in names}
-    key = finetune.cache_key([zoo._recipe(n).key(zoo_scale) for n in names], asdict(s), feat_dim,
+    key = cache.key([zoo.recipe(n).key(zoo_scale) for n in names], asdict(s), feat_dim,
                              [e.prompt for e in train], [e.prompt for e in test])
     tag = f"{'shared' if s.shared else 'separate'}-{s.objective}"
-    path = finetune.cache_root(GROUP) / f"haps-{tag}-{zoo_scale}-{key}"
+    path = cache.folder(GROUP) / f"haps-{tag}-{zoo_scale}-{key}"
     make = lambda: HAPS(names, shapes, feat_dim, s.d_h, s.rank, s.shared)   # noqa: E731
 
     def build(tmp):
@@ -453,7 +456,7 @@ def cached_haps(names, zoo_scale: str, models: dict, toks: dict, train, test,
         return {"train_seconds": round(seconds, 1), "log": log, "adapted_test": adapted,
                 "settings": asdict(s)}
 
-    finetune.atomic_build(path, build)
+    cache.build(path, build)
     haps = make()
     haps.load_state_dict(torch.load(path / "haps.pt"))
     info = json.loads((path / "done.json").read_text())

@@ -125,7 +125,7 @@ def probe(reader, tok, examples, r_completions: list[str], max_new_tokens: int =
     greedy answers: unaided (``reader`` with its adapter disabled: the instruct model itself) and
     under every sparse prefix and the full hint (the hint reader, :func:`hint_reader`), each in one
     batched ``generate``."""
-    from ..models.zoo import generate
+    from ..evaluate import generate
     parsed = [split_reasoning(c) for c in r_completions]
     with reader.disable_adapter():
         direct = generate(reader, tok, [e.prompt for e in examples], max_new_tokens)
@@ -174,7 +174,7 @@ def truncated_generate(model, tok, prompts: list[str], budget: int, answer_token
     """Budget forcing: greedy reasoning for at most ``budget`` tokens; a completion that has not
     answered by then is cut there, ``" =>"`` is appended and the model writes its answer
     (up to ``answer_tokens`` more). Returns the whole completions (reasoning + forced answer)."""
-    from ..models.zoo import generate
+    from ..evaluate import generate
     heads = generate(model, tok, prompts, max_new_tokens=budget) if budget > 0 else \
         [""] * len(prompts)
     heads = [h.split("\n")[0] for h in heads]
@@ -194,7 +194,7 @@ def evaluate(model, tok, examples, completions: list[str] | None = None,
     """Greedy completions (unless given), each scored by its family's verifier, and the tokens
     each one wrote (counted with ``tok``): ``{"acc", "tokens", "completions"}`` (per example)."""
     from ..data import tasks
-    from ..models.zoo import generate
+    from ..evaluate import generate
     if completions is None:
         completions = generate(model, tok, [e.prompt for e in examples], max_new_tokens)
     completions = [c.split("\n")[0] for c in completions]

@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..data import tasks
+from .. import cache
 from ..models import finetune
 
 METHODS = ("full", "lora", "rslora", "dora", "pissa", "hybrid", "random")
@@ -240,9 +241,10 @@ def optimizer_state_bytes(opt) -> int:
 def heldout_reward(model, tok, examples: list) -> float:
     """Mean verifier reward of greedy completions on held-out problems."""
     from ..models import zoo
+    from .. import evaluate
     was = model.training
     model.eval()
-    acc = zoo.exact_match(model, tok, examples)
+    acc = evaluate.exact_match(model, tok, examples)
     model.train(was)
     return acc
 
@@ -296,9 +298,9 @@ def train_grpo(model, tok, train: list, heldout: list, s: GRPOSettings, out_dir)
 
 def cached_run(group: str, key_parts: list, build) -> dict:
     """One GRPO run's record, built once by ``build(tmp) -> dict`` and cached as JSON under
-    ``cache_root(group)`` (:func:`workbench.models.finetune.atomic_build`)."""
+    ``cache_root(group)`` (:func:`workbench.cache.build`)."""
     import json
-    path = finetune.cache_root(group) / f"run-{finetune.cache_key(*key_parts)}"
+    path = cache.folder(group) / f"run-{cache.key(*key_parts)}"
     cached = (path / "done.json").exists()
 
     def _build(tmp):
@@ -306,6 +308,6 @@ def cached_run(group: str, key_parts: list, build) -> dict:
         (tmp / "record.json").write_text(json.dumps(rec))
         return {"train_seconds": rec.get("train_seconds")}
 
-    finetune.atomic_build(path, _build)
+    cache.build(path, _build)
     rec = json.loads((path / "record.json").read_text())
     return {**rec, "cached": cached}

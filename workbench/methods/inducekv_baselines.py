@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..data import packing
+from .. import cache
 from ..models import finetune
 from . import inducekv as K
 
@@ -47,7 +48,7 @@ def cache_path(kind: str, spec: dict) -> Path:
 
 def cached_states(kind: str, spec: dict, build) -> list[dict]:
     """The per-stage state dicts ``build()`` returns, computed once and cached by ``spec``
-    (:func:`workbench.models.finetune.atomic_build`: a file lock, a directory renamed into place)."""
+    (:func:`workbench.cache.build`: a file lock, a directory renamed into place)."""
     path = cache_path(kind, spec)
     path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -55,7 +56,7 @@ def cached_states(kind: str, spec: dict, build) -> list[dict]:
         torch.save(build(), tmp / "states.pt")
         return spec
 
-    finetune.atomic_build(path, write)
+    cache.build(path, write)
     return torch.load(path / "states.pt", weights_only=False)
 
 

@@ -83,7 +83,7 @@ def solver_traces(examples, noise: float, seed: int, name: str | None = None) ->
 def model_traces(model, tok, examples, name: str, max_new_tokens: int = 48) -> list[Trace]:
     """A zoo model's greedy traces of the problems (``transformers`` ``generate``)."""
     from ..data import tasks
-    from ..models.zoo import generate
+    from ..evaluate import generate
     comps = [c.split("\n")[0] for c in generate(model, tok, [e.prompt for e in examples],
                                                 max_new_tokens=max_new_tokens)]
     return [Trace(e.prompt, " " + c.strip(), e.family, e.difficulty, name, bool(tasks.score(e, c)))

@@ -7,32 +7,44 @@ projection of the blocks, ``lora_alpha = scale * rank``, so ``scale`` is the LoR
 alpha / r of Hu et al. 2021, eq. 3) trained on one family's completions at all its difficulties
 (or on a mixture: ``"add+sub"``, or a name in :data:`MIXTURES`), saved with ``save_pretrained``
 under ``zoo_dir()/adapters/<base>-<scale>-<hash>/<family>``. The hash covers the base model's key,
-the pool's settings and :data:`POOL_VERSION`; a file lock makes concurrent callers build once and a
-temporary directory renamed into place means a half-written pool is never read.
+the pool's settings and :data:`POOL_VERSION`; :func:`workbench.cache.build` makes concurrent callers
+build once, and a half-written pool is never read.
 
 ``card.json`` holds each adapter's exact match (greedy, the family's verifier, held-out prompts at
-the family's middle difficulty, :data:`workbench.models.zoo.MIDDLE`) on its own family and on the
+the family's middle difficulty, :data:`workbench.evaluate.MIDDLE`) on its own family and on the
 others, the base model's score on each, and the train seconds. Load one adapter with
 ``PeftModel.from_pretrained(model, pool.path(f))`` or several with ``pool.load([...])``
-(``load_adapter`` under each family's name, then ``model.set_adapter(name)``). Importing this
-module imports neither torch nor peft.
+(``load_adapter`` under each family's name, then ``model.set_adapter(name)``).
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing as mp
 import os
-import shutil
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import torch
+from peft import PeftModel
+
+from .. import cache, evaluate
+from ..data import packing, tasks
+from ..env import torch_threads
+from ..progress import progress
+from . import clip, zoo
+from .finetune import TARGETS, lora_model, train_steps  # noqa: F401 (TARGETS re-exported)
+
+__all__ = ["POOL_VERSION", "MIXTURES", "PoolSize", "POOL_SIZES", "Pool", "members", "pool_key",
+           "adapters", "list_built", "build_all", "POOL_BASE", "POOL_NAME", "CLIP_NAME",
+           "BUILD_ORDER"]
 
 POOL_VERSION = 1
 MIXTURES = {"strings": ("reverse", "sort", "rotate", "swap", "dedupe"),
             "arith": ("add", "sub", "mul"),
             "recall": ("kv", "count", "pattern")}
-from ..env import torch_threads
-from .finetune import TARGETS, lora_model, train_steps  # noqa: F401 (TARGETS re-exported)
 
 
 @dataclass(frozen=True)
@@ -53,7 +65,6 @@ POOL_SIZES = {"smoke": PoolSize(), "full": PoolSize(steps=1500, batch=64, lr=1e-
 
 def members(name: str) -> tuple[str, ...]:
     """The task families an adapter named ``name`` trains on (a family, ``a+b`` or a mixture)."""
-    from ..data import tasks
     fams = MIXTURES.get(name) or tuple(name.split("+"))
     for f in fams:
         tasks.get(f)          # a clear KeyError for a misspelt family
@@ -80,8 +91,6 @@ class Pool:
     def load(self, names=None, device: str = "cpu"):
         """``(PeftModel, tokenizer)``: the base LM with the adapters ``names`` (all when None)
         loaded under their own names; the first is active (``model.set_adapter(name)``)."""
-        from peft import PeftModel
-        from . import zoo
         names = list(names or self.names)
         model, tok = zoo.load(self.base, self.scale, device=device)
         model = PeftModel.from_pretrained(model, self.path(names[0]), adapter_name=names[0])
@@ -92,8 +101,7 @@ class Pool:
 
 
 def pool_key(base: str, scale: str, names, rank: int, lora_scale: float, size: PoolSize) -> str:
-    from . import zoo
-    d = dict(base=zoo._recipe(base).key(scale), names=list(names), rank=rank,
+    d = dict(base=zoo.recipe(base).key(scale), names=list(names), rank=rank,
              scale=lora_scale, size=asdict(size), version=POOL_VERSION)
     return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
 
@@ -102,34 +110,21 @@ def adapters(base: str = "lm-base", families=None, rank: int = 8, scale: float =
              model_scale: str = "smoke", force: bool = False) -> Pool:
     """The LoRA pool on zoo model ``base``: one adapter per name in ``families`` (task families,
     ``"a+b"`` mixtures or :data:`MIXTURES` names; default every family), built on first use."""
-    from filelock import FileLock
-    from . import zoo
     names = tuple(families or zoo.ALL_FAMILIES)
     for n in names:
         members(n)
     if rank < 1:
         raise ValueError(f"rank must be >= 1, got {rank}")
-    zoo._recipe(base).size(model_scale)          # clear errors for a bad base or scale
+    zoo.recipe(base).size(model_scale)          # clear errors for a bad base or scale
     size = POOL_SIZES[model_scale]
     path = zoo.zoo_dir() / "adapters" / \
         f"{base}-{model_scale}-{pool_key(base, model_scale, names, rank, scale, size)}"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not (path / "card.json").exists() or force:
-        with FileLock(str(path) + ".lock"):
-            if not (path / "card.json").exists() or force:
-                tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-                shutil.rmtree(tmp, ignore_errors=True)
-                _build(base, model_scale, names, rank, scale, size, tmp)
-                if path.exists():
-                    old = path.parent / f".{path.name}.old-{os.getpid()}"
-                    os.rename(path, old)
-                    shutil.rmtree(old, ignore_errors=True)
-                os.rename(tmp, path)
+    cache.build(path, lambda tmp: _build(base, model_scale, names, rank, scale, size, tmp),
+                ready="card.json", force=force)
     return Pool(base, model_scale, path, json.loads((path / "card.json").read_text()))
 
 
 def _train_pairs(names: tuple[str, ...], n: int, with_steps: bool, tok, seed: int = 7):
-    from ..data import packing, tasks
     exs = []
     for f in names:
         ds = tasks.get(f).difficulties
@@ -140,17 +135,14 @@ def _train_pairs(names: tuple[str, ...], n: int, with_steps: bool, tok, seed: in
 
 
 def _build(base, model_scale, names, rank, lora_scale, size: PoolSize, out: Path):
-    import torch
-    from ..progress import progress
-    from . import zoo
     t_all = time.time()
     path, _ = zoo.ensure(base, model_scale)
     model, tok = zoo.load(base, model_scale)
-    with_steps = zoo._recipe(base).with_steps
+    with_steps = zoo.recipe(base).with_steps
     eval_fams = sorted({f for n in names for f in members(n)}, key=zoo.ALL_FAMILIES.index)
-    evals = {f: zoo.heldout_examples(f, zoo.MIDDLE[f], size.eval_examples, seed=999)[0]
+    evals = {f: evaluate.heldout_examples(f, evaluate.MIDDLE[f], size.eval_examples, seed=999)[0]
              for f in eval_fams}
-    score = (lambda m: {f: round(zoo.exact_match(m, tok, e, with_steps), 4)
+    score = (lambda m: {f: round(evaluate.exact_match(m, tok, e, with_steps), 4)
                         for f, e in evals.items()})
     card = {"base": base, "base_key": model.zoo_card["key"], "scale": model_scale, "rank": rank,
             "lora_scale": lora_scale, "size": asdict(size), "pool_version": POOL_VERSION,
@@ -188,7 +180,6 @@ def _build(base, model_scale, names, rank, lora_scale, size: PoolSize, out: Path
 
 def list_built() -> list[dict]:
     """The cards of every finished pool in the cache, each with its ``path``."""
-    from . import zoo
     root = zoo.zoo_dir() / "adapters"
     out = []
     for card in sorted(root.glob("*/card.json")) if root.exists() else []:
@@ -203,13 +194,11 @@ POOL_BASE = "lm-base"
 
 def _build_one(name: str, scale: str, force: bool) -> dict:
     """One job of :func:`build_all` (a top-level function, so a spawned worker can run it)."""
-    from . import zoo
     try:
         if name == POOL_NAME:
             pool = adapters(POOL_BASE, model_scale=scale, force=force)
             return {"name": name, **pool.card}
         if name == CLIP_NAME:
-            from . import clip
             return clip.build(scale, force=force)
         return zoo.build(name, scale, force=force)
     except Exception as e:          # noqa: BLE001 - report, keep building the rest
@@ -217,7 +206,7 @@ def _build_one(name: str, scale: str, force: bool) -> dict:
 
 
 POOL_NAME = f"lora-pool/{POOL_BASE}"
-CLIP_NAME = "clip-mini"      # workbench.models.clip.NAME (that module imports torch lazily too)
+CLIP_NAME = clip.NAME
 # the builds by their measured seconds at smoke (data/zoo.md), longest first; the pool after the
 # backbones it waits for (its base comes first)
 BUILD_ORDER = ["lm-base", "lm-gpt2", "lm-qwen2", "lm-reasoning", "lm-instruct", POOL_NAME,
@@ -235,13 +224,10 @@ def build_all(scale: str = "smoke", force: bool = False, jobs: int = 1,
     The pool goes last: by then its base is built (and if not, its file lock waits for it);
     the mini-CLIP (:mod:`workbench.models.clip`) is built with them.
     ``names`` picks recipes (and :data:`POOL_NAME`) instead of all."""
-    from . import zoo
     if names is None:
         names = [n for n in zoo.RECIPES if n != "lm-micro"] + [POOL_NAME, CLIP_NAME]
     if jobs <= 1:
         return [_build_one(n, scale, force) for n in names]
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
     # longest first, so no long build starts last beside an idle core (on two cores this order
     # ends about a minute sooner than recipe order); cards come back in the order asked for
     order = sorted(names, key=lambda n: BUILD_ORDER.index(n) if n in BUILD_ORDER

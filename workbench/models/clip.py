@@ -2,26 +2,37 @@
 image-caption pairs of :mod:`workbench.data.images` (digits and the procedural shapes family).
 
 ``load(scale)`` returns ``(CLIPModel, tokenizer)``, built on first use and cached under
-``zoo_dir()/clip/`` keyed by a hash of the recipe and its sizes, behind
-:func:`workbench.models.finetune.atomic_build` (file lock, temporary directory renamed into
-place). Training: symmetric InfoNCE (Radford et al. 2021, eq. in Fig. 3) with the learned
+``cache.folder("zoo", "clip")`` keyed by a hash of the recipe and its sizes, built once through
+:func:`workbench.cache.build` (file lock, temporary directory renamed into place).
+Training: symmetric InfoNCE (Radford et al. 2021, eq. in Fig. 3) with the learned
 temperature ``logit_scale`` (clamped at ln 100 as in CLIP); each batch holds one image of every
 training class, so no two pairs of a batch share a caption class (no false negatives).
 The shapes family's held-out classes (``images.SHAPES_HELDOUT``) are never trained on.
-Importing this module imports neither torch nor transformers.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import (CLIPConfig, CLIPModel, CLIPTextConfig, CLIPVisionConfig,
+                          PreTrainedTokenizerFast)
+
+from .. import cache
+from ..data import images
+from ..env import torch_threads
+
 __all__ = ["NAME", "CLIP_VERSION", "ClipSize", "SIZES", "load", "build", "ensure", "model_dir",
            "list_built", "tokenizer", "tokenize", "image_features", "text_features",
-           "class_features", "zero_shot_logits", "zero_shot_accuracy", "info_nce", "make_model",
-           "evaluate", "format_cards"]
+           "class_features", "pooled", "zero_shot_logits", "zero_shot_accuracy", "info_nce",
+           "make_model", "evaluate"]
 
 NAME = "clip-mini"
 CLIP_VERSION = 1
@@ -50,16 +61,13 @@ SIZES = {"smoke": ClipSize(), "full": ClipSize(dim=128, vision_layers=4, text_la
 
 
 def _key(scale: str, s: ClipSize) -> str:
-    from ..data import images
-    from .finetune import cache_key
-    return cache_key(NAME, CLIP_VERSION, scale, asdict(s), images.SHAPES_SEEN, images.TEMPLATES,
+    return cache.key(NAME, CLIP_VERSION, scale, asdict(s), images.SHAPES_SEEN, images.TEMPLATES,
                      images.SIZE)
 
 
 def model_dir(scale: str = "smoke", sizes: ClipSize | None = None) -> Path:
-    from .zoo import zoo_dir
     s = sizes or SIZES[scale]
-    return zoo_dir() / "clip" / f"{NAME}-{scale}-{_key(scale, s)}"
+    return cache.folder("zoo", "clip") / f"{NAME}-{scale}-{_key(scale, s)}"
 
 
 # -- text -------------------------------------------------------------------------------------
@@ -67,9 +75,6 @@ def model_dir(scale: str = "smoke", sizes: ClipSize | None = None) -> Path:
 def tokenizer():
     """A word-level ``PreTrainedTokenizerFast`` over :func:`images.vocabulary` with
     ``<bos> ... <eos>`` around every caption (CLIP pools the text at the first ``<eos>``)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-    from ..data import images
     specials = ["<pad>", "<bos>", "<unk>", "<eos>"]
     vocab = {w: i for i, w in enumerate(specials + images.vocabulary())}
     t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -90,9 +95,6 @@ def tokenize(tok, texts, device="cpu") -> dict:
 
 def make_model(s: ClipSize, vocab_size: int):
     """A fresh ``CLIPModel`` of sizes ``s`` (``CLIPVisionConfig`` / ``CLIPTextConfig``)."""
-    import torch
-    from transformers import CLIPConfig, CLIPModel, CLIPTextConfig, CLIPVisionConfig
-    from ..data import images
     torch.manual_seed(s.seed)
     text = CLIPTextConfig(vocab_size=vocab_size, hidden_size=s.dim, intermediate_size=s.mlp,
                           num_hidden_layers=s.text_layers, num_attention_heads=s.heads,
@@ -110,8 +112,6 @@ def make_model(s: ClipSize, vocab_size: int):
 def info_nce(logits_per_image):
     """Symmetric InfoNCE of a square logit matrix whose diagonal holds the matching pairs:
     ``(CE(L, arange) + CE(L^T, arange)) / 2`` (image->text and text->image)."""
-    import torch
-    import torch.nn.functional as F
     t = torch.arange(logits_per_image.shape[0], device=logits_per_image.device)
     return 0.5 * (F.cross_entropy(logits_per_image, t) + F.cross_entropy(logits_per_image.T, t))
 
@@ -119,22 +119,20 @@ def info_nce(logits_per_image):
 def image_features(model, x, normalize: bool = True, batch: int = 1024):
     """Projected image embeddings of ``x`` ((N, 3, 16, 16) in [0, 1], array or tensor), L2-
     normalised by default; gradients flow (wrap in ``torch.no_grad()`` to evaluate)."""
-    import torch
     x = torch.as_tensor(x, dtype=torch.float32, device=next(model.parameters()).device)
-    f = torch.cat([_pooled(model.get_image_features(pixel_values=x[i: i + batch]))
+    f = torch.cat([pooled(model.get_image_features(pixel_values=x[i: i + batch]))
                    for i in range(0, len(x), batch)])
     return torch.nn.functional.normalize(f, dim=-1) if normalize else f
 
 
 def text_features(model, tok, texts, normalize: bool = True):
     """Projected text embeddings of ``texts``, L2-normalised by default."""
-    import torch
     b = tokenize(tok, texts, next(model.parameters()).device)
-    f = _pooled(model.get_text_features(**b))
+    f = pooled(model.get_text_features(**b))
     return torch.nn.functional.normalize(f, dim=-1) if normalize else f
 
 
-def _pooled(out):
+def pooled(out):
     # transformers 5 returns a model output from get_*_features; 4.x returned the tensor
     return out if hasattr(out, "shape") else out.pooler_output
 
@@ -142,8 +140,6 @@ def _pooled(out):
 def class_features(model, tok, names, templates=(0,)):
     """One normalised text embedding per class name: the mean over ``templates`` of
     :func:`images.caption`, renormalised (CLIP's prompt ensemble; template 0 alone by default)."""
-    import torch
-    from ..data import images
     fs = torch.stack([text_features(model, tok, [images.caption(n, t) for n in names])
                       for t in templates]).mean(0)
     return torch.nn.functional.normalize(fs, dim=-1)
@@ -157,7 +153,6 @@ def zero_shot_logits(model, tok, x, names, templates=(0,)):
 
 def zero_shot_accuracy(model, tok, x, y, names, templates=(0,)) -> float:
     """Top-1 zero-shot accuracy of ``model`` on ``(x, y)`` among the classes ``names``."""
-    import torch
     with torch.no_grad():
         pred = zero_shot_logits(model, tok, x, names, templates).argmax(-1).cpu()
     return float((pred == torch.as_tensor(y)).float().mean())
@@ -167,9 +162,6 @@ def zero_shot_accuracy(model, tok, x, y, names, templates=(0,)) -> float:
 
 def _train(s: ClipSize, log=None):
     """Train a mini-CLIP of sizes ``s``; returns ``(model, tok, losses)``."""
-    import numpy as np
-    import torch
-    from ..data import images
     tok = tokenizer()
     model = make_model(s, len(tok))
     xs, ys, _ = images.shapes(images.SHAPES_SEEN, s.n_per_class, seed=s.seed)
@@ -213,7 +205,6 @@ def _train(s: ClipSize, log=None):
 def evaluate(model, tok, n_per_class: int = 10, seed: int = 99) -> dict:
     """Zero-shot accuracies (template 0) on fresh images: shapes seen classes (among seen),
     held-out classes (among held-out, and among all 144), digits test split; with chance."""
-    from ..data import images
     xs, ys, _ = images.shapes(images.SHAPES_SEEN, n_per_class, seed)
     xh, yh, _ = images.shapes(images.SHAPES_HELDOUT, n_per_class, seed)
     xd, yd, _ = images.digits("test")
@@ -235,9 +226,6 @@ def evaluate(model, tok, n_per_class: int = 10, seed: int = 99) -> dict:
 def ensure(scale: str = "smoke", sizes: ClipSize | None = None, force: bool = False) -> Path:
     """Build the mini-CLIP at ``scale`` once (file lock, atomic rename); return its directory.
     ``force`` trains it again and replaces the finished build (``workbench zoo build --force``)."""
-    import os
-    from ..env import torch_threads
-    from .finetune import atomic_build
     s = sizes or SIZES[scale]
     path = model_dir(scale, s)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -267,19 +255,17 @@ def ensure(scale: str = "smoke", sizes: ClipSize | None = None, force: bool = Fa
         (tmp / "card.json").write_text(json.dumps(card, indent=2))
         return {"built": True}
 
-    atomic_build(path, build_into, force=force)
+    cache.build(path, build_into, force=force)
     return path
 
 
 def _threads() -> int:
-    import torch
     return torch.get_num_threads()
 
 
 def load(scale: str = "smoke", device: str = "cpu", sizes: ClipSize | None = None):
     """``(CLIPModel, tokenizer)`` of the mini-CLIP at ``scale``, in eval mode on ``device``,
     built on first use; its card is ``model.zoo_card``."""
-    from transformers import CLIPModel, PreTrainedTokenizerFast
     path = ensure(scale, sizes)
     model = CLIPModel.from_pretrained(path, dtype="float32").to(device).eval()
     tok = PreTrainedTokenizerFast.from_pretrained(path)
@@ -294,23 +280,9 @@ def build(scale: str = "smoke", force: bool = False) -> dict:
 
 def list_built() -> list[dict]:
     """The cards of every finished mini-CLIP in the cache, each with its ``path``."""
-    from .zoo import zoo_dir
-    root = zoo_dir() / "clip"
+    root = cache.folder("zoo", "clip")
     out = []
     for card in sorted(root.glob("*/card.json")) if root.exists() else []:
         if not card.parent.name.startswith("."):
             out.append({**json.loads(card.read_text()), "path": str(card.parent)})
     return out
-
-
-def format_cards(cards: list[dict]) -> str:
-    """The mini-CLIP cards as a Markdown table (zero-shot accuracy vs chance)."""
-    lines = ["| model | params | build s | shapes seen | shapes held-out | held-out among all "
-             "| digits |", "|" + "---|" * 7]
-    for c in cards:
-        z = c["zero_shot"]
-        cell = lambda k: f"{z[k]['acc']:.2f} (chance {z[k]['chance']:.3f})"   # noqa: E731
-        lines.append(f"| {c['name']} ({c['scale']}) | {c['parameters'] / 1e6:.2f}M | "
-                     f"{c['build_seconds']} | {cell('shapes_seen')} | {cell('shapes_heldout')} | "
-                     f"{cell('shapes_heldout_among_all')} | {cell('digits_test')} |")
-    return "\n".join(lines)

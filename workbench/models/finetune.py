@@ -4,20 +4,24 @@ Notebooks that fine-tune a zoo model on data they build themselves (06 on self-a
 problems, 18 on curated traces) must not retrain what they have trained before. ``cached_lora``
 trains a LoRA (every attention and MLP projection, :data:`TARGETS`,
 ``lora_alpha = scale * rank`` as in the pool) on the completions (labels on the completion and
-``<eos>``, :func:`workbench.data.packing.encode`) and saves it under ``cache_dir()/group/`` keyed
-by a hash of the base model's key, the training texts and the settings; a file lock and a
-temporary directory renamed into place make concurrent callers train once and never read a
-half-written adapter, as in the zoo. Importing this module imports neither torch nor peft.
+``<eos>``, :func:`workbench.data.packing.encode`) and saves it under ``cache.folder(group)`` keyed
+by a hash of the base model's key, the training texts and the settings, built once through
+:func:`workbench.cache.build` (concurrent callers train once, a half-written adapter is never read).
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import shutil
+import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+
+from .. import cache
+from ..data import packing
+from . import zoo
+
+__all__ = ["TARGETS", "LoraSettings", "lora_model", "train_steps", "train_lora", "cached_lora"]
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
            "c_attn", "c_proj", "c_fc")       # llama/qwen2 and gpt2 projection names
@@ -34,42 +38,6 @@ class LoraSettings:
     seed: int = 0            # init of A and the batch order
 
 
-def cache_root(group: str) -> Path:
-    """``cache_dir() / group``: where one notebook's fine-tunes live."""
-    from ..env import cache_dir
-    p = cache_dir() / group
-    p.mkdir(parents=True, exist_ok=True)
-    return p
-
-
-def cache_key(*parts) -> str:
-    """A content key: sha1 of the JSON of ``parts`` (settings, model keys, training texts)."""
-    return hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-
-def atomic_build(path: Path, build, force: bool = False) -> Path:
-    """Run ``build(tmp)`` once under a file lock, then rename ``tmp`` to ``path`` (the zoo's way:
-    concurrent callers build once, a half-written result is never read). ``force`` builds again
-    and replaces a finished result (the old one is moved aside only once the new one is done)."""
-    from filelock import FileLock
-    if (path / "done.json").exists() and not force:
-        return path
-    with FileLock(str(path) + ".lock"):
-        if (path / "done.json").exists() and not force:
-            return path
-        tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        info = build(tmp)
-        (tmp / "done.json").write_text(json.dumps(info or {}, indent=2, default=str))
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{os.getpid()}"
-            os.rename(path, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.rename(tmp, path)
-    return path
-
-
 def lora_model(model, rank: int = 8, scale: float = 2.0, seed: int | None = None,
                use_dora: bool = False, custom_modules: dict | None = None,
                targets: list[str] | None = None, **lora_kwargs):
@@ -82,8 +50,6 @@ def lora_model(model, rank: int = 8, scale: float = 2.0, seed: int | None = None
     replaces :data:`TARGETS` (e.g. full module names, to adapt only some layers) and
     ``lora_kwargs`` go to ``LoraConfig`` as they are (``use_rslora``, ``init_lora_weights``,
     ``modules_to_save``)."""
-    import torch
-    from peft import LoraConfig, get_peft_model
     present = {n.split(".")[-1] for n, _ in model.named_modules()}
     if seed is not None:
         torch.manual_seed(seed)
@@ -104,8 +70,6 @@ def train_steps(model, pairs, steps: int, batch: int, lr: float, seed: int, pad_
     fine-tunes and InduceKV's baselines. ``callback(step, loss)``, when given, runs after each
     step (step counts from 1; evaluate a checkpoint there, the model is back in train mode
     after it); returning True stops the loop."""
-    import torch
-    from ..data import packing
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
                             weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 - 0.9 * min(i, steps) / steps)
@@ -137,7 +101,6 @@ def train_lora(model, tok, prompts: list[str], completions: list[str], s: LoraSe
     """A ``peft`` LoRA on ``model``'s projections trained on the completions (labels on the
     completion and ``<eos>`` only, :func:`workbench.data.packing.encode`); returns the
     ``PeftModel`` in eval mode and the last losses."""
-    from ..data import packing
     pm = lora_model(model, s.rank, s.scale, s.seed)
     pairs = packing.encode(tok, prompts, completions)
     losses = train_steps(pm, pairs, s.steps, min(s.batch, len(pairs)), s.lr, s.seed,
@@ -149,18 +112,15 @@ def cached_lora(base: str, scale: str, prompts: list[str], completions: list[str
                 s: LoraSettings, tag: str = "lora", group: str = "finetune", recipe=None,
                 device: str = "cpu"):
     """The zoo model ``base`` with a LoRA fine-tuned on ``(prompts, completions)``, trained once
-    and cached under ``cache_dir()/group/`` with a key of the base model's recipe key, the texts
+    and cached under ``cache.folder(group)`` with a key of the base model's recipe key, the texts
     and ``s`` (``recipe`` builds a model that is not a zoo recipe, as ``zoo.load`` does). Returns
     ``(PeftModel, tokenizer, info)``; ``info["cached"]`` says whether it was loaded."""
-    from peft import PeftModel
-    from . import zoo
-    r = zoo._recipe(base, recipe)
-    key = cache_key(r.key(scale), list(prompts), list(completions), asdict(s))
-    path = cache_root(group) / f"{tag}-{base}-{scale}-{key}"
+    r = zoo.recipe(base, recipe)
+    key = cache.key(r.key(scale), list(prompts), list(completions), asdict(s))
+    path = cache.folder(group) / f"{tag}-{base}-{scale}-{key}"
     cached = (path / "done.json").exists()
 
     def build(tmp):
-        import time
         t0 = time.time()
         m, tok_ = zoo.load(base, scale, recipe=recipe, device=device)
         pm, last = train_lora(m, tok_, prompts, completions, s)
@@ -168,7 +128,7 @@ def cached_lora(base: str, scale: str, prompts: list[str], completions: list[str
         return {"train_seconds": round(time.time() - t0, 2), "final_losses": last,
                 "n_examples": len(prompts), "settings": asdict(s), "base_key": r.key(scale)}
 
-    atomic_build(path, build)
+    cache.build(path, build)
     model, tok = zoo.load(base, scale, recipe=recipe, device=device)
     model = PeftModel.from_pretrained(model, path / "adapter").eval()
     info = json.loads((path / "done.json").read_text())

@@ -683,7 +683,7 @@ def llama_cpp_logits(path: str | Path, blocks, threads: int = 1) -> np.ndarray:
 
 
 def llama_cpp_perplexity(path: str | Path, blocks, threads: int = 1) -> float:
-    """exp(mean next-token NLL) of (B, T) token ``blocks`` under llama.cpp (as ``zoo.perplexity``:
+    """exp(mean next-token NLL) of (B, T) token ``blocks`` under llama.cpp (as ``evaluate.perplexity``:
     every block from an empty cache, each position predicting the next), one block at a time."""
     blocks = np.asarray(blocks)
     llm = llama_cpp_model(path, blocks.shape[1], threads)
@@ -700,7 +700,7 @@ def llama_cpp_perplexity(path: str | Path, blocks, threads: int = 1) -> float:
 
 
 def logits_perplexity(logits, blocks) -> float:
-    """exp(mean next-token NLL) from (B, T, V) logits of (B, T) blocks (as ``zoo.perplexity``)."""
+    """exp(mean next-token NLL) from (B, T, V) logits of (B, T) blocks (as ``evaluate.perplexity``)."""
     lg = torch.as_tensor(np.asarray(logits))[:, :-1].double()
     y = torch.as_tensor(np.asarray(blocks))[:, 1:]
     nll = torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), y.reshape(-1))

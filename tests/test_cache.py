@@ -1,0 +1,89 @@
+"""The one cache (workbench.cache): content keys, and one locked, atomic build."""
+import multiprocessing as mp
+import time
+
+import pytest
+
+from workbench import cache
+
+
+def test_key_covers_every_part_and_is_stable():
+    k = cache.key("a", [1, 2], {"x": 1})
+    assert k == cache.key("a", [1, 2], {"x": 1}) and len(k) == 12
+    assert k != cache.key("a", [2, 1], {"x": 1}) != cache.key("a", [1, 2], {"x": 2})
+    # the key of the former finetune.cache_key: cached fine-tunes keep their folders
+    assert k == "f0b556bec02b"
+
+
+def test_folder_lives_under_the_root(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))
+    assert cache.root() == tmp_path
+    f = cache.folder("zoo", "clip")
+    assert f == tmp_path / "zoo" / "clip" and f.is_dir()
+
+
+def test_build_builds_once_and_force_replaces(tmp_path):
+    calls = []
+
+    def make(tmp):
+        calls.append(tmp)
+        (tmp / "value.txt").write_text(str(len(calls)))
+        return {"n": len(calls)}
+
+    where = tmp_path / "thing"
+    assert cache.build(where, make) == (where, True)
+    assert cache.build(where, make) == (where, False)       # cached: not built again
+    assert len(calls) == 1 and (where / "value.txt").read_text() == "1"
+    assert cache.is_built(where)
+    cache.build(where, make, force=True)                    # rebuilt, the old entry replaced
+    assert len(calls) == 2 and (where / "value.txt").read_text() == "2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["thing", "thing.lock"]   # no leftovers
+
+
+def test_a_failed_build_leaves_nothing_behind_and_is_not_read(tmp_path):
+    def broken(tmp):
+        (tmp / "half.txt").write_text("half")
+        raise RuntimeError("out of memory")
+
+    where = tmp_path / "thing"
+    with pytest.raises(RuntimeError):
+        cache.build(where, broken)
+    assert not where.exists() and not cache.is_built(where)
+    assert [p.name for p in tmp_path.iterdir()] == ["thing.lock"]
+
+
+def test_ready_file_written_by_make_is_kept(tmp_path):
+    def make(tmp):
+        (tmp / "card.json").write_text('{"mine": 1}')
+        return {"ignored": True}
+
+    path, built = cache.build(tmp_path / "m", make, ready="card.json")
+    assert built and (path / "card.json").read_text() == '{"mine": 1}'
+    assert not (path / "done.json").exists()
+
+
+def _slow_build(where: str, log: str) -> None:
+    def make(tmp):
+        with open(log, "a") as f:
+            f.write("built\n")
+        time.sleep(1.0)
+        return {}
+    cache.build(where, make)
+
+
+def test_two_processes_build_once(tmp_path):
+    where, log = str(tmp_path / "shared"), str(tmp_path / "log.txt")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_slow_build, args=(where, log)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert open(log).read() == "built\n" and cache.is_built(tmp_path / "shared")
+
+
+def test_remove_deletes_the_entry_and_its_lock(tmp_path):
+    path, _ = cache.build(tmp_path / "x", lambda tmp: {})
+    cache.remove(path)
+    assert list(tmp_path.iterdir()) == []

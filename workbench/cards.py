@@ -1,0 +1,69 @@
+"""How ``workbench zoo list`` and ``zoo build`` print the zoo's cards: one Markdown table.
+
+Torch-free, so the command line formats cards without importing a model.
+"""
+from __future__ import annotations
+
+__all__ = ["card_rows", "format_cards", "format_clip_cards"]
+
+
+def card_rows(cards: list[dict]) -> list[dict]:
+    """One summary row per model card (what ``workbench zoo list`` prints): size, tokens, build
+    time, perplexity vs unigram, and per family the middle-difficulty score (or the mean over
+    the evaluated difficulties for v1 cards)."""
+    rows = []
+    for c in cards:
+        if "adapters" in c or "error" in c or c.get("kind") == "clip":
+            continue
+        by = c.get("task_accuracy_middle") or c.get("task_accuracy", {})
+        trained = set(c.get("trained_tasks", []))
+        rows.append({
+            "name": c["name"], "scale": c["scale"], "arch": c.get("arch", "?"),
+            "params": c["parameters"], "tokens": c["tokens_seen"],
+            "build_s": c.get("build_seconds"), "ppl": round(c["heldout_ppl"], 1),
+            "unigram": round(c["unigram_ppl"], 1),
+            "middle": "middle" if "task_accuracy_middle" in c else "easiest",
+            "solved": sorted(f for f, a in by.items() if a >= 0.8),
+            "trained": {f: by.get(f) for f in c.get("trained_tasks", []) if f in by},
+            "heldout_best": max((a for f, a in by.items() if f not in trained), default=None)})
+    return rows
+
+
+def format_cards(cards: list[dict]) -> str:
+    """The cards as a Markdown table (for ``workbench zoo list`` and the README)."""
+    head = ("| model | arch | params | tokens | build s | ppl (unigram) | trained families: "
+            "exact match at the middle difficulty | best held-out family |")
+    lines = [head, "|" + "---|" * 8]
+    for r in card_rows(cards):
+        fam = ", ".join(f"{f} {a:.2f}" for f, a in r["trained"].items())
+        if r["middle"] != "middle":
+            fam += " (easiest level)"
+        hb = "" if r["heldout_best"] is None else f"{r['heldout_best']:.2f}"
+        lines.append(f"| {r['name']} ({r['scale']}) | {r['arch']} | {r['params'] / 1e6:.2f}M | "
+                     f"{r['tokens'] / 1e6:.2f}M | {r['build_s']} | {r['ppl']} ({r['unigram']}) "
+                     f"| {fam} | {hb} |")
+    pools = [c for c in cards if "adapters" in c]
+    for p in pools:
+        lines.append("")
+        lines.append(f"LoRA pool on {p['base']} ({p['scale']}, rank {p['rank']}, scale "
+                     f"{p['lora_scale']}): adapter: own-family exact match (base), gain")
+        lines.append("| adapter | own | base | gain | train s |")
+        lines.append("|---|---|---|---|---|")
+        for n, a in p["adapters"].items():
+            b = sum(p["base_accuracy"][f] for f in a["families"]) / len(a["families"])
+            lines.append(f"| {n} | {a['own_accuracy']:.2f} | {b:.2f} | "
+                         f"{a['gain_over_base']:+.2f} | {a['train_seconds']} |")
+    return "\n".join(lines)
+
+
+def format_clip_cards(cards: list[dict]) -> str:
+    """The mini-CLIP cards as a Markdown table (zero-shot accuracy vs chance)."""
+    lines = ["| model | params | build s | shapes seen | shapes held-out | held-out among all "
+             "| digits |", "|" + "---|" * 7]
+    for c in cards:
+        z = c["zero_shot"]
+        cell = lambda k: f"{z[k]['acc']:.2f} (chance {z[k]['chance']:.3f})"   # noqa: E731
+        lines.append(f"| {c['name']} ({c['scale']}) | {c['parameters'] / 1e6:.2f}M | "
+                     f"{c['build_seconds']} | {cell('shapes_seen')} | {cell('shapes_heldout')} | "
+                     f"{cell('shapes_heldout_among_all')} | {cell('digits_test')} |")
+    return "\n".join(lines)

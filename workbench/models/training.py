@@ -1,0 +1,230 @@
+"""How the zoo trains a backbone from its recipe: the model, the data rows, the loops, the card.
+
+:func:`train_and_save` trains the recipe's model (:func:`make_model`) on its prose and task rows
+with one of :data:`LOOPS`, measures the card (held-out perplexity against a unigram baseline,
+task accuracy through :mod:`workbench.evaluate`) and saves model, tokenizer and ``card.json``
+into a folder. The cache (:mod:`workbench.models.zoo`) decides where and when.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM)
+
+from .. import evaluate
+from ..data import corpus, packing, tasks
+from ..env import torch_threads
+from ..progress import progress
+from .recipes import ALL_FAMILIES, ZOO_VERSION, Recipe, Size, difficulties
+
+__all__ = ["make_model", "task_examples", "task_rows", "optimizer", "loop_v1", "loop_v2", "LOOPS",
+           "train_and_save"]
+
+
+def make_model(arch: str, s: Size, tok):
+    """A freshly initialised ``transformers`` causal LM of architecture ``arch``."""
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+               pad_token_id=tok.pad_token_id, vocab_size=len(tok))
+    if arch == "llama":
+        cfg = LlamaConfig(hidden_size=s.d_model, intermediate_size=s.d_ff,
+                          num_hidden_layers=s.n_layers, num_attention_heads=s.n_heads,
+                          num_key_value_heads=s.n_heads, max_position_embeddings=s.ctx,
+                          tie_word_embeddings=True, rms_norm_eps=1e-5, **ids)
+        return LlamaForCausalLM(cfg)
+    if arch == "qwen2":
+        cfg = Qwen2Config(hidden_size=s.d_model, intermediate_size=s.d_ff,
+                          num_hidden_layers=s.n_layers, num_attention_heads=s.n_heads,
+                          num_key_value_heads=s.n_heads, max_position_embeddings=s.ctx,
+                          tie_word_embeddings=True, **ids)
+        return Qwen2ForCausalLM(cfg)
+    if arch == "gpt2":
+        cfg = GPT2Config(n_embd=s.d_model, n_layer=s.n_layers, n_head=s.n_heads,
+                         n_inner=s.d_ff, n_positions=s.ctx, **ids)
+        return GPT2LMHeadModel(cfg)
+    raise ValueError(f"unknown architecture {arch!r}; choose llama, qwen2 or gpt2")
+
+
+def task_examples(r: Recipe, s: Size) -> list:
+    """The recipe's rendered training examples, shuffled with the build seed."""
+    exs = []
+    weights = r.task_weights or (1.0,) * len(r.train_tasks)
+    if len(weights) != len(r.train_tasks):
+        raise ValueError("task_weights needs one weight per train task")
+    mean_w = sum(weights) / len(weights)
+    for fam, w in zip(r.train_tasks, weights):
+        ds = difficulties(fam, r.easiest)
+        n_fam = int(round(s.n_task_examples * w / mean_w))
+        for d in ds:
+            exs += tasks.generate(fam, -(-n_fam // len(ds)), r.seed + 1, d)
+    random.Random(r.seed + 1).shuffle(exs)
+    return exs
+
+
+def task_rows(r: Recipe, s: Size, tok, exs=None):
+    """Task examples packed into ``ctx``-token rows, ``<bos> prompt completion <eos>`` each.
+
+    Returns ``(ids, labels)`` (rows, ctx): labels are -100 on ``<bos>``, prompt and padding, so
+    task rows train the completions only (their prompts are random and carry no signal).
+    """
+    exs = task_examples(r, s) if exs is None else exs
+    pairs = packing.encode(tok, [e.prompt for e in exs], [e.completion(r.with_steps) for e in exs])
+    return packing.pack(pairs, s.ctx, tok.pad_token_id)
+
+
+def train_and_save(r: Recipe, scale: str, out: Path) -> dict:
+    # Small matmuls on a shared CPU: one thread avoids OpenMP spin-waiting, which we measured
+    # making a 2-thread step ~10x slower under contention (v1). v2 recipes name their threads
+    # (benchmarks/zoo_throughput.py measures both). WORKBENCH_ZOO_THREADS overrides either.
+    default = r.size(scale).threads if r.loop != "v1" else 1
+    with torch_threads(os.environ.get("WORKBENCH_ZOO_THREADS", default)):
+        return _train_and_save_inner(r, scale, out)
+
+
+def optimizer(model, s: Size):
+    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.95), weight_decay=0.1,
+                            fused=True)            # one kernel for all parameters (CPU and GPU)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / s.warmup) * (
+        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(i, s.steps) / s.steps))))
+    return opt, sched
+
+
+def loop_v1(model, opt, sched, text_ids, task_x, task_y, r: Recipe, s: Size, pad_id: int,
+             device, steps: int | None = None, desc: str = "zoo", bos_id: int | None = None):
+    """lm-tiny's original loop, unchanged (its weights depend on every call here): a fresh
+    batch gathered in Python each step, a host sync per step for the loss and the token count."""
+    g = torch.Generator().manual_seed(r.seed)
+    n_task = int(round(s.batch * r.task_fraction)) if r.train_tasks else 0
+    losses, tokens = [], 0
+    model.train()
+    for step in progress(range(s.steps if steps is None else steps), desc=desc):
+        starts = torch.randint(0, len(text_ids) - s.ctx - 1, (s.batch - n_task,), generator=g)
+        x = torch.stack([text_ids[i: i + s.ctx] for i in starts.tolist()])
+        y = x.clone()
+        if n_task:
+            pick = torch.randint(0, len(task_x), (n_task,), generator=g)
+            x, y = torch.cat([x, task_x[pick]]), torch.cat([y, task_y[pick]])
+        x, y = x.to(device), y.to(device)
+        loss = model(input_ids=x, labels=y).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(float(loss.detach()))
+        tokens += int((x != pad_id).sum())       # padding is not seen
+    return losses, tokens
+
+
+def loop_v2(model, opt, sched, text_ids, task_x, task_y, r: Recipe, s: Size, pad_id: int,
+             device, steps: int | None = None, desc: str = "zoo", bos_id: int | None = None):
+    """The faster loop: every step's rows drawn up front (one gather per step from a strided
+    view of the text, no Python list of slices), losses kept on the device and read once at the
+    end, tokens counted from precomputed row lengths. Text rows are contiguous windows (no
+    padding); task rows are whole examples packed greedily (padding only at a row's tail).
+
+    Loop v3 (``r.loop == "v3"``) is this loop with task rows carrying position ids that
+    restart at each ``<bos>``, so attention is block-diagonal per example (:func:`workbench.data.packing.positions`)."""
+    steps = s.steps if steps is None else steps
+    g = torch.Generator().manual_seed(r.seed)
+    n_task = int(round(s.batch * r.task_fraction)) if r.train_tasks else 0
+    windows = text_ids.unfold(0, s.ctx, 1)                  # (L - ctx + 1, ctx), a view
+    starts = torch.randint(0, len(windows), (steps, s.batch - n_task), generator=g)
+    picks = torch.randint(0, len(task_x), (steps, n_task), generator=g) if n_task else None
+    windows, tx, ty, tpos = windows.to(device), None, None, None
+    if n_task:
+        tx, ty = task_x.to(device), task_y.to(device)
+        if r.loop == "v3":
+            tpos = packing.positions(task_x, bos_id).to(device)
+    text_pos = torch.arange(s.ctx, device=device).expand(s.batch - n_task, -1)
+    params = list(model.parameters())
+    losses = torch.zeros(steps, device=device)
+    model.train()
+    for step in progress(range(steps), desc=desc):
+        x = windows[starts[step].to(device)]
+        y, pos = x, None
+        if n_task:
+            p = picks[step].to(device)
+            x, y = torch.cat([x, tx[p]]), torch.cat([x, ty[p]])
+            if tpos is not None:
+                pos = torch.cat([text_pos, tpos[p]])
+        loss = model(input_ids=x, labels=y, position_ids=pos, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses[step] = loss.detach()
+    tokens = (s.batch - n_task) * s.ctx * steps
+    if n_task:
+        tokens += int((task_x != pad_id).sum(1)[picks].sum())
+    return losses.cpu().tolist(), tokens
+
+
+# every loop takes the same arguments (v1 ignores ``bos_id``); v3 is v2 with per-example positions
+LOOPS = {"v1": loop_v1, "v2": loop_v2, "v3": loop_v2}
+
+
+def _train_and_save_inner(r: Recipe, scale: str, out: Path) -> dict:
+    t0 = time.time()
+    s = r.size(scale)
+    torch.manual_seed(r.seed)
+    device = torch.device("cuda" if scale == "full" and torch.cuda.is_available() else "cpu")
+    sample_lines = corpus.task_lines(ALL_FAMILIES, 100, seed=r.seed + 2, with_steps=True)
+    if r.loop == "v3":
+        # every letter also as one " x" token: with the sampled task lines alone the BPE left
+        # " q", " x", " y", " z" as two tokens, so a kv key could tokenize two ways
+        sample_lines += [" ".join(tasks.LETTERS)] * 200
+    tok = corpus.train_tokenizer(s.vocab, extra_text=sample_lines)
+    text_ids = torch.tensor(corpus.encode_documents(tok, corpus.train_text()), dtype=torch.long)
+    task_x = task_y = None
+    trained_prompts: set[str] = set()
+    if r.train_tasks:
+        exs = task_examples(r, s)
+        trained_prompts = {e.prompt for e in exs}
+        task_x, task_y = task_rows(r, s, tok, exs)
+    model = make_model(r.arch, s, tok).to(device)
+    opt, sched = optimizer(model, s)
+    if r.loop not in LOOPS:
+        raise ValueError(f"unknown training loop {r.loop!r}; choose {sorted(LOOPS)}")
+    losses, tokens = LOOPS[r.loop](model, opt, sched, text_ids, task_x, task_y, r, s,
+                                   tok.pad_token_id, device, desc=f"zoo {r.name}/{scale}",
+                                   bos_id=tok.bos_token_id)
+    model.eval()
+    train_s = time.time() - t0
+    card = {
+        "name": r.name, "scale": scale, "key": r.key(scale), "arch": r.arch,
+        "description": r.description, "recipe": {k: v for k, v in asdict(r).items()
+                                                 if k not in ("smoke", "full")},
+        "size": asdict(s),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "tokens_seen": tokens, "train_loss_first": losses[0],
+        "train_loss_last": sum(losses[-10:]) / len(losses[-10:]),
+        "heldout_ppl": evaluate.perplexity(model, corpus.heldout_blocks(tok, s.ctx)),
+        "unigram_ppl": evaluate.unigram_perplexity(text_ids, corpus.encode_documents(
+            tok, corpus.heldout_text()), len(tok)),
+        "trained_tasks": list(r.train_tasks),
+        "train_seconds": round(train_s, 1), "device": str(device), "build_pid": os.getpid(),
+        "zoo_version": ZOO_VERSION,
+    }
+    if r.eval_by_difficulty:
+        card.update(evaluate.evaluate_tasks(model, tok, s.eval_examples, r.with_steps, trained_prompts))
+    else:
+        card["task_accuracy"] = {f: evaluate.task_accuracy(model, tok, f, s.eval_examples, seed=12345,
+                                                  with_steps=r.with_steps, easiest=r.easiest)
+                                 for f in ALL_FAMILIES}
+        card["task_difficulties"] = {f: list(difficulties(f, r.easiest)) for f in ALL_FAMILIES}
+    card["build_seconds"] = round(time.time() - t0, 1)
+    out.mkdir(parents=True, exist_ok=True)
+    model.cpu().save_pretrained(out)
+    tok.save_pretrained(out)
+    (out / "card.json").write_text(json.dumps(card, indent=2))
+    return card
+
