@@ -85,10 +85,18 @@ def test_claim_needs_a_computed_bool(tmp_path):
     assert [c.text for c in run.claims] == ["re-run cell"]
 
 
-def test_default_run_dir_is_interactive(tmp_path, monkeypatch):
+def test_default_run_dir_is_interactive_and_one_per_run(tmp_path, monkeypatch):
+    # issue 30: a JupyterLab run and a plain papermill run of one notebook wrote into the same
+    # runs/interactive/<slug> and overwrote each other; each run now gets its own folder
     monkeypatch.setenv("WORKBENCH_HOME", str(tmp_path))
     run = workbench.start("00-test")
-    assert run.out_dir == tmp_path / "runs" / "interactive" / "00-test"
+    assert run.out_dir.parent == tmp_path / "runs" / "interactive" / "00-test"
+    code = ("import workbench; print(workbench.start('00-test', device='cpu').out_dir)")
+    import subprocess, sys
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={**__import__("os").environ, "WORKBENCH_HOME": str(tmp_path)},
+                           check=True).stdout.strip().splitlines()[-1]
+    assert other != str(run.out_dir) and run.out_dir.is_dir()
 
 
 def test_show_prints_source(capsys):

@@ -34,7 +34,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .notebooks import NotebookInfo, parameters
+from .notebooks import NotebookError, NotebookInfo, parameters, read_notebook
 
 RESERVED = {"scale": "--scale", "seed": "--seeds", "out_dir": "--out"}
 KERNEL_START_FAILURE = re.compile(
@@ -92,11 +92,38 @@ class JobResult:
 
 
 # -- parameters --------------------------------------------------------------------------------
+_OPEN = {"[": "]", "{": "}", '"': '"', "'": "'"}
+
+
 def _coerce(raw: str, type_name: str):
-    """Turn a command-line string into the parameter's declared type; ValueError if it can't."""
+    """Turn a command-line string into the parameter's declared type; ValueError if it can't.
+
+    A value written in brackets (``[a,b]``) is one list, and in quotes (``"a,b"``) one string,
+    read as YAML; a ``str`` parameter gets a list as its items joined by commas (the notebooks'
+    comma-separated parameters)."""
     if isinstance(raw, str) and raw.strip().lower() in ("none", "null"):
         return None
     t = (type_name or "None").replace("typing.", "").replace("Optional[", "").rstrip("]").strip()
+    text = raw.strip() if isinstance(raw, str) else raw
+    literal = isinstance(text, str) and text[:1] in _OPEN and text[-1:] == _OPEN[text[:1]]
+    if literal:
+        import yaml
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ValueError(f"not a YAML value: {str(e).splitlines()[0]}") from None
+        if t == "str":
+            if isinstance(value, list):
+                return ",".join(str(v) for v in value)
+            if isinstance(value, str):
+                return value
+            raise ValueError("want text, or a list written [a,b]")
+        if t in ("int", "float", "bool") and isinstance(value, (list, dict)):
+            raise ValueError(f"a list or mapping is not a {t}")
+        if t in ("int", "float", "bool"):
+            raw = str(value)
+        else:
+            return value
     if t == "int":
         return int(raw)
     if t == "float":
@@ -114,43 +141,105 @@ def _coerce(raw: str, type_name: str):
     return yaml.safe_load(raw)
 
 
-def validate_params(info: NotebookInfo, raw: dict[str, list[str]]) -> dict[str, list]:
-    """Check every name against the notebook's parameters cell and coerce every value.
+def check_limit(info: NotebookInfo, name: str, value, spec: dict, shown: str | None = None
+                ) -> None:
+    """:class:`ParameterError` when ``value`` breaks the limit declared at the end of the
+    parameter's help comment (None passes where the default is None)."""
+    limit = spec.get("limit")
+    if limit is None or (value is None and spec.get("default") == "None"):
+        return
+    if value is None or not limit.allows(value):
+        raise ParameterError(
+            f"{info.slug}: {shown or 'parameter'} '{name}' = {value!r} is outside its limit "
+            f"{limit.text} ({limit.describe()}): {spec.get('help', '')}")
 
-    Raises :class:`ParameterError` naming the notebook, the parameter and the valid choices.
-    With no ``-p`` values there is nothing to check, and the parameters cell is not inspected:
-    inspection imports papermill (about 1.4 s, most of the runner's overhead on one job).
-    """
-    if not raw:
-        return {}
-    spec = parameters(info.path)
+
+def validate_params(info: NotebookInfo, raw: dict[str, list[str]], seeds=(),
+                    scale: str | None = None, spec: dict | None = None) -> dict[str, list]:
+    """Check every name against the notebook's parameters cell, coerce every value and check it
+    against the parameter's declared limit; the seeds and the scale too, when the cell declares
+    theirs. Raises :class:`ParameterError` naming the notebook, the parameter, the value and the
+    limit (or the valid choices), before any job starts. The cell is read with ``ast``: cheap."""
+    try:
+        spec = parameters(info.path) if spec is None else spec
+    except NotebookError as e:
+        raise ParameterError(str(e)) from None
+    for seed in seeds:
+        if "seed" in spec:
+            check_limit(info, "seed", seed, spec["seed"], "--seeds: seed")
+    if scale is not None and "scale" in spec:
+        check_limit(info, "scale", scale, spec["scale"], "--scale:")
     typed = {}
     for name, values in raw.items():
         if name in RESERVED:
             raise ParameterError(f"{info.slug}: set '{name}' with {RESERVED[name]}, not -p")
         if name not in spec:
             valid = ", ".join(f"{n} ({s['type']}, default {s['default']})"
+                              + (f" {s['limit'].text}" if s.get("limit") else "")
                               for n, s in spec.items() if n not in RESERVED)
             raise ParameterError(f"{info.slug}: unknown parameter '{name}'. "
                                  f"Valid parameters: {valid or '(none)'}")
         out = []
         for v in values:
             try:
-                out.append(_coerce(v, spec[name]["type"]))
+                value = _coerce(v, spec[name]["type"])
             except (ValueError, TypeError) as e:
                 raise ParameterError(
                     f"{info.slug}: parameter '{name}' expects {spec[name]['type']} "
                     f"(default {spec[name]['default']}), got {v!r} ({e})") from None
+            check_limit(info, name, value, spec[name], "-p")
+            out.append(value)
         typed[name] = out
     return typed
 
 
-def split_values(value: str) -> list[str]:
-    """``"4,3,2"`` -> ``["4", "3", "2"]``: a comma list makes a grid."""
-    parts = [p.strip() for p in str(value).split(",")]
-    if any(p == "" for p in parts):
-        raise ParameterError(f"empty value in {value!r}")
-    return parts
+def split_values(value: str, option: str = "-p") -> list[str]:
+    """``"4,3,2"`` -> ``["4", "3", "2"]``: commas at the top level make a grid.
+
+    A value that holds commas is written as one YAML value: in brackets (``[lm-base,lm-gpt2]``,
+    a list) or in quotes (``"a,b"``, a string); its commas do not split. ``-p x '[1,2],[3]'`` is
+    a grid of two lists."""
+    text, parts, i = str(value), [], 0
+    while True:
+        while i < len(text) and text[i] == " ":
+            i += 1
+        j = i
+        if j < len(text) and text[j] in _OPEN:
+            stack = [_OPEN[text[j]]]
+            j += 1
+            while j < len(text) and stack:
+                ch = text[j]
+                if stack[-1] in "\"'":              # inside quotes only the quote closes
+                    if ch == stack[-1]:
+                        stack.pop()
+                elif ch in _OPEN:
+                    stack.append(_OPEN[ch])
+                elif ch == stack[-1]:
+                    stack.pop()
+                j += 1
+            if stack:
+                raise ParameterError(f"{option}: {value!r} has an unclosed {text[i]!r}")
+        k = text.find(",", j)
+        k = len(text) if k < 0 else k
+        part = text[i:k].strip()
+        if part == "":
+            raise ParameterError(f"{option}: empty value in {value!r}")
+        parts.append(part)
+        if k >= len(text):
+            return parts
+        i = k + 1
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``--seeds 0,1,2`` -> ``[0, 1, 2]``; :class:`ParameterError` naming ``--seeds``."""
+    seeds = []
+    for part in split_values(text, "--seeds"):
+        try:
+            seeds.append(int(part))
+        except ValueError:
+            raise ParameterError(f"--seeds: {part!r} is not an integer (want a comma list "
+                                 "such as --seeds 0,1,2)") from None
+    return seeds
 
 
 def grid(typed: dict[str, list]) -> list[dict]:
@@ -165,12 +254,35 @@ def _tag(point: dict) -> str:
     return re.sub(r"[^A-Za-z0-9_.,=+-]", "_", text)
 
 
+def _key(point: dict) -> str:
+    """A canonical text of a parameter set (types kept: 1 and "1" differ)."""
+    return json.dumps(point, sort_keys=True, default=repr)
+
+
+MAX_TAG = 60       # characters of a grid point's folder name before it is shortened
+
+
+def folder_name(scale: str, point: dict, hashed: bool = False) -> str:
+    """The folder of a grid point: ``smoke-lr=0.01``. A point whose text is changed by making it
+    a file name (``cuda:0`` -> ``cuda_0``), or is long, gets a short prefix and a stable hash
+    of its values, so that distinct parameter sets never share a folder and no name is too long
+    for the file system."""
+    if not point:
+        return scale
+    raw = ",".join(f"{k}={v}" for k, v in point.items())
+    safe = _tag(point)
+    if not hashed and safe == raw and len(raw) <= MAX_TAG and not raw.startswith("."):
+        return f"{scale}-{raw}"
+    digest = hashlib.sha256(_key(point).encode()).hexdigest()[:10]
+    return f"{scale}-{safe[:MAX_TAG - 20].rstrip('.')}-{digest}"
+
+
 def notebook_digest(path) -> str:
     """SHA-256 of what the notebook computes: each cell's type and source, in order.
 
     Outputs, execution counts and metadata are left out, so cleaning or re-saving a notebook does
     not invalidate finished results; editing any cell (code or markdown) does."""
-    nb = json.loads(Path(path).read_text())
+    nb = read_notebook(Path(path))
     cells = [(c.get("cell_type"), "".join(c.get("source", ""))) for c in nb.get("cells", [])]
     return hashlib.sha256(json.dumps(cells).encode()).hexdigest()
 
@@ -182,21 +294,152 @@ def job_digest(nb_digest: str, job: Job) -> str:
 
 
 def plan(notebooks: list[NotebookInfo], out: Path, scale: str = "smoke",
-         raw_params: dict[str, list[str]] | None = None, seeds=(0,)) -> list[Job]:
-    """Validate parameters against every notebook, then lay out one job per grid point x seed.
-    Nothing runs here, so a bad parameter fails before any job starts."""
-    jobs = []
+         raw_params: dict[str, list[str]] | None = None, seeds=(0,),
+         notes: list[str] | None = None) -> list[Job]:
+    """Validate parameters, seeds and limits against every notebook, then lay out one job per
+    grid point x seed. Nothing runs here, so a bad value fails before any job starts.
+
+    A notebook, a value or a seed given twice is planned once (said in ``notes`` when given);
+    distinct parameter sets always get distinct folders (see :func:`folder_name`)."""
+    notes = [] if notes is None else notes
+    seen_nb: dict[str, NotebookInfo] = {}
     for info in notebooks:
-        typed = validate_params(info, raw_params or {})
+        key = str(Path(info.path).resolve())
+        if key in seen_nb:
+            notes.append(f"{info.slug} was named more than once: planned once")
+        else:
+            seen_nb[key] = info
+    uniq_seeds = list(dict.fromkeys(int(s) for s in seeds))
+    if len(uniq_seeds) < len(list(seeds)):
+        notes.append(f"a seed was given twice: seeds {','.join(map(str, uniq_seeds))} "
+                     "planned once each")
+    jobs = []
+    for info in seen_nb.values():
+        typed = validate_params(info, raw_params or {}, uniq_seeds, scale)
+        for name, values in typed.items():
+            uniq = list({_key(v): v for v in values}.values())
+            if len(uniq) < len(values):
+                notes.append(f"{info.slug}: -p {name} has a value given twice: planned once")
+                typed[name] = uniq
         nb_digest = notebook_digest(info.path)
-        for point in grid(typed):
-            sub = scale + (f"-{_tag(point)}" if point else "")
-            for seed in seeds:
+        points = grid(typed)
+        names = [folder_name(scale, p) for p in points]
+        clash = {n for n in names if names.count(n) > 1}
+        names = [folder_name(scale, p, hashed=n in clash) for p, n in zip(points, names)]
+        for point, sub in zip(points, names):
+            for seed in uniq_seeds:
                 job = Job(info.slug, str(info.path), scale, int(seed), point,
                           str(Path(out).resolve() / info.slug / sub / f"seed-{seed}"))
                 job.digest = job_digest(nb_digest, job)
                 jobs.append(job)
+    if len({j.out for j in jobs}) != len(jobs):           # a bug, never a user's doing
+        raise ParameterError("two planned jobs share a folder; please report this")
     return jobs
+
+
+# -- the run folder: one owner, and the plan ---------------------------------------------------
+LOCK_NAME = ".workbench.lock"
+PLAN_NAME = "plan.json"
+
+
+class RunDirError(RuntimeError):
+    """``--out`` cannot be used: not a folder, not writable, or owned by another run."""
+
+
+def _owner(path: Path) -> str:
+    try:
+        info = json.loads(path.read_text())
+        return (f"pid {info.get('pid')} on {info.get('host')}, started {info.get('started')}: "
+                f"{info.get('command')}")
+    except (OSError, ValueError):
+        return "another process"
+
+
+def claim_run_dir(out: Path, command: str = "", exclusive: bool = False):
+    """Create ``out`` (``exclusive``: it must not exist yet) and take its lock: an open file
+    holding an exclusive ``flock`` for as long as this process lives (the kernel drops it when
+    the process dies, however it dies, so no stale lock is left). Returns the open lock file;
+    keep it. :class:`RunDirError` with a one-line reason when ``out`` is not a folder, cannot
+    be written, or is in use by another run (whose pid and command it names)."""
+    import platform
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"--out {out} is a file, not a folder; give a folder for the results")
+    try:
+        out.mkdir(parents=True, exist_ok=not exclusive)
+    except FileExistsError:
+        raise
+    except OSError as e:
+        raise RunDirError(f"cannot create --out {out}: {e.strerror or e}") from None
+    path = out / LOCK_NAME
+    try:
+        fh = open(path, "a+")
+    except OSError as e:
+        raise RunDirError(f"cannot write in --out {out}: {e.strerror or e}") from None
+    try:
+        import fcntl
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except ImportError:         # no flock (Windows): the lock is advisory only
+        pass
+    except OSError:
+        fh.close()
+        raise RunDirError(f"--out {out} is in use by another workbench run ({_owner(path)}); "
+                          "wait for it to finish or choose another --out") from None
+    try:
+        fh.seek(0)
+        fh.truncate()
+        fh.write(json.dumps({"pid": os.getpid(), "host": platform.node(),
+                             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                             "command": command}))
+        fh.flush()
+    except OSError as e:
+        fh.close()
+        raise RunDirError(f"cannot write in --out {out}: {e.strerror or e}") from None
+    return fh
+
+
+def new_run_dir(base: Path, command: str = ""):
+    """A fresh ``base/<YYYYmmdd-HHMMSS>`` (``-2``, ``-3``, ... when that one exists: two runs
+    started in the same second never share one), created and locked. Returns (path, lock)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(1, 1000):
+        out = Path(base) / (stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            return out, claim_run_dir(out, command, exclusive=True)
+        except FileExistsError:
+            continue
+    raise RunDirError(f"cannot find a free run folder under {base}")
+
+
+def git_info(root: Path | None = None) -> dict:
+    """The commit checked out and whether tracked files differ from it (for the report)."""
+    from .env import project_root
+
+    def git(*args):
+        out = subprocess.run(["git", *args], cwd=root or project_root(), capture_output=True,
+                             text=True, timeout=10)
+        return out.stdout.strip() if out.returncode == 0 else None
+    try:
+        commit = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+        return {"commit": commit, "dirty": None if dirty is None else bool(dirty)}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
+def write_plan(out: Path, jobs: list[Job], infos: list[NotebookInfo], command: str = "") -> Path:
+    """``plan.json``: when the batch started, from which commit, the notebooks' titles and every
+    planned job (folder relative to ``out``), so that the report lists each planned job, those
+    that never ran included."""
+    out = Path(out)
+    plan_ = {"started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "command": command,
+             "git": git_info(), "titles": {i.slug: i.title for i in infos},
+             "jobs": [{"slug": j.slug, "scale": j.scale, "seed": j.seed, "params": j.params,
+                       "dir": Path(j.out).resolve().relative_to(out.resolve()).as_posix(),
+                       "digest": j.digest} for j in jobs]}
+    path = out / PLAN_NAME
+    _atomic_write(path, json.dumps(plan_, indent=2, default=repr))
+    return path
 
 
 # -- running one notebook (on this machine or on a Dask worker) ---------------------------------
@@ -235,26 +478,55 @@ def _last_error(log: str) -> str:
     return lines[-1][:400] if lines else ""
 
 
-def error_cell(executed: Path) -> tuple[str, str]:
+def error_cell(executed: Path, running: bool = False) -> tuple[str, str]:
     """(``"cell N: <first source line>"``, ``"Ename: evalue"``) of the first cell of an executed
     notebook with an error output; empty strings when there is none. N counts the cells of the
     notebook as written, from 1: the cells papermill adds (injected parameters, error banners)
-    are not counted."""
+    are not counted. ``running``: without an error output, the cell papermill marked as running
+    (a kernel that died or was stopped mid-cell), as ``("cell N: ... (running)", "")``."""
     try:
         nb = json.loads(executed.read_text())
     except (OSError, ValueError):
         return "", ""
     added = {"injected-parameters", "papermill-error-cell-tag"}
     cells = [c for c in nb.get("cells", []) if not added & set(c.get("metadata", {}).get("tags", []))]
+
+    def first_line(cell):
+        src = [ln for ln in "".join(cell.get("source", "")).splitlines() if ln.strip()]
+        first = src[0].strip() if src else ""
+        return first[:160] + (" ..." if len(src) > 1 else "")
+
     for n, cell in enumerate(cells, 1):
         for o in cell.get("outputs", []) if cell.get("cell_type") == "code" else []:
             if o.get("output_type") == "error":
-                src = [ln for ln in "".join(cell.get("source", "")).splitlines() if ln.strip()]
-                first = src[0].strip() if src else ""
-                if len(src) > 1:
-                    first += " ..."
-                return f"cell {n}: {first[:160]}", f"{o.get('ename')}: {o.get('evalue')}"[:400]
+                return f"cell {n}: {first_line(cell)}", f"{o.get('ename')}: {o.get('evalue')}"[:400]
+    if running:
+        for n, cell in enumerate(cells, 1):
+            if cell.get("metadata", {}).get("papermill", {}).get("status") == "running":
+                return f"cell {n}: {first_line(cell)} (running)", ""
+        # a dead kernel's cell is marked completed: the log says which cell was executing
+        n = current_cell(executed.parent / "log.txt")
+        every = nb.get("cells", [])
+        if n and 0 < n <= len(every) and every[n - 1] in cells:
+            return f"cell {cells.index(every[n - 1]) + 1}: {first_line(every[n - 1])} " \
+                   "(running)", ""
     return "", ""
+
+
+_CELL_RE = re.compile(rb"Executing Cell (\d+)-")
+
+
+def current_cell(log: Path) -> int | None:
+    """The cell a running job executes, from the tail of its papermill log (papermill's count:
+    the injected parameters cell included)."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            hits = _CELL_RE.findall(f.read())
+    except OSError:
+        return None
+    return int(hits[-1]) if hits else None
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -268,6 +540,47 @@ def _kill(proc: subprocess.Popen) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+def _reap(token: str, wait_s: float = 10.0) -> int:
+    """Kill every process still carrying this job's ``WORKBENCH_JOB_TOKEN`` (its kernel and the
+    kernel's children: jupyter_client starts the kernel in a session of its own, so stopping
+    papermill's process group does not reach it) and wait until they are gone, so that nothing
+    writes into the job's folder after it is committed. Returns how many were killed. Linux
+    (``/proc``); elsewhere a no-op."""
+    needle = f"WORKBENCH_JOB_TOKEN={token}".encode()
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return 0
+
+    def carriers():
+        found = []
+        for d in proc.iterdir():
+            if not d.name.isdigit() or int(d.name) == os.getpid():
+                continue
+            try:
+                if needle in (d / "environ").read_bytes().split(b"\0"):
+                    found.append(int(d.name))
+            except OSError:
+                continue
+        return found
+
+    killed = 0
+    deadline = time.time() + wait_s
+    while (pids := carriers()) and time.time() < deadline:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.05)
+        for pid in pids:            # reap our own children; others are reaped by their parent
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+    return killed
 
 
 def kill_running() -> None:
@@ -292,7 +605,9 @@ def execute(notebook: Path, workdir: Path, slug: str, params: dict, timeout: flo
     workdir = Path(workdir)
     (workdir / "parameters.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     env = {k: v for k, v in os.environ.items() if k not in env_drop}
-    env.update(WORKBENCH_BATCH="1", PYTHONUNBUFFERED="1", WORKBENCH_RUNNER_PID=str(os.getpid()))
+    token = uuid.uuid4().hex
+    env.update(WORKBENCH_BATCH="1", PYTHONUNBUFFERED="1", WORKBENCH_RUNNER_PID=str(os.getpid()),
+               WORKBENCH_JOB_TOKEN=token)
     if threads:     # parallel jobs share the cores: oversubscribed BLAS threads stall small nets
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             env[var] = str(threads)
@@ -318,6 +633,7 @@ def execute(notebook: Path, workdir: Path, slug: str, params: dict, timeout: flo
             finally:
                 with _live_lock:
                     _live.discard(proc)
+                _reap(token)    # a kernel left behind (timeout, killed papermill) dies now
         text = (workdir / "log.txt").read_text(errors="replace")
         if rc != 0 and not timed_out and attempt <= retries and KERNEL_START_FAILURE.search(text) \
                 and "Executing Cell 1" not in text:
@@ -331,7 +647,7 @@ def execute(notebook: Path, workdir: Path, slug: str, params: dict, timeout: flo
         metrics = None
     except ValueError:
         metrics = False         # there but not JSON: cut short while writing
-    cell, exc = error_cell(workdir / f"{slug}.ipynb")
+    cell, exc = error_cell(workdir / f"{slug}.ipynb", running=True)
     if timed_out or "CellTimeoutError" in text or "Cell execution timed out" in text:
         status, error = "timeout", f"exceeded the {timeout:g} s limit"
     elif rc == 0 and isinstance(metrics, dict):
@@ -370,20 +686,43 @@ def _as_dict(r: JobResult) -> dict:
             "attempts": r.attempts, "note": r.note, "claims": r.claims}
 
 
-def commit(result: JobResult, stage: Path) -> JobResult:
+def _rename_paths(path: Path, old: str, new: str) -> None:
+    """Replace the path ``old`` by ``new`` in a text file, as written raw and as a JSON string."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return
+    changed = text
+    for a, b in ((json.dumps(old)[1:-1], json.dumps(new)[1:-1]), (old, new)):
+        changed = changed.replace(a, b)
+    if changed != text:
+        _atomic_write(path, changed)
+
+
+def commit(result: JobResult, stage: Path, wrote_to: str | os.PathLike | None = None
+           ) -> JobResult:
     """Make ``stage`` the job's directory: write ``job.json`` into it, then swap it in.
 
-    ``metrics.json`` and ``params.json`` name the staging directory as ``out_dir`` (that is where
-    the notebook wrote); they are rewritten to name where the files now are."""
+    The notebook wrote into ``wrote_to`` (default ``stage``; a Dask worker's scratch folder), so
+    that path is what its ``metrics.json``, ``params.json``, injected ``out_dir``, printed lines
+    and log name; they are rewritten to name the job's final folder, where the files now are
+    (re-running the executed notebook in Jupyter then writes there, not into a hidden one)."""
     final = Path(result.job.out)
+    wrote = str(wrote_to or stage)
     for name in ("metrics.json", "params.json"):
         path = stage / name
         if path.exists():
-            data = json.loads(path.read_text())
+            try:
+                data = json.loads(path.read_text())
+            except ValueError:
+                continue
             params = data.get("params", data) if name == "metrics.json" else data
             if isinstance(params, dict) and "out_dir" in params:
                 params["out_dir"] = str(final)
                 _atomic_write(path, json.dumps(data, indent=2))
+    for path in [stage / f"{result.job.slug}.ipynb", stage / "log.txt"]:
+        if path.exists():
+            _rename_paths(path, wrote, str(final))
     _atomic_write(stage / "job.json", json.dumps(_as_dict(result), indent=2))
     old = None
     if final.exists():
@@ -410,6 +749,42 @@ def cached_result(job: Job) -> JobResult | None:
                      claims=metrics.get("claims", []), note="complete from an earlier run")
 
 
+_running: dict[int, tuple[Job, Path, float]] = {}      # jobs executing now, for the progress line
+_running_lock = threading.Lock()
+
+
+def _n_cells(path: str, cache: dict = {}) -> int:
+    if path not in cache:
+        try:
+            cache[path] = len(read_notebook(Path(path))["cells"])
+        except NotebookError:
+            cache[path] = 0
+    return cache[path]
+
+
+def job_label(job: Job) -> str:
+    """``12-nfi smoke lr=0.1 seed 0``: a job in one line."""
+    return " ".join(x for x in (job.slug, job.scale, _tag(job.params)[:40], f"seed {job.seed}") if x)
+
+
+def running_progress(started: set | None = None, write=None) -> str:
+    """What the running jobs are doing: ``12-nfi seed 0: cell 5/24``. With ``write``,
+    each job seen for the first time is announced with where its live log is."""
+    with _running_lock:
+        running = list(_running.items())
+    parts = []
+    for key, (job, stage, _) in running:
+        if started is not None and key not in started:
+            started.add(key)
+            if write is not None:
+                write(f"started {job_label(job)}; live log: {stage / 'log.txt'}")
+        cell = current_cell(stage / "log.txt")
+        total = _n_cells(job.path) + 1               # papermill counts its injected cell
+        where = f"cell {cell}/{total}" if cell else "starting its kernel"
+        parts.append(f"{job.slug} seed {job.seed}: {where}")
+    return "; ".join(parts)
+
+
 def run_job(job: Job, timeout: float = 900, resume: bool = False, strict: bool = False,
             retries: int = 1, threads: int | None = None,
             cancel: threading.Event | None = None) -> JobResult:
@@ -421,8 +796,14 @@ def run_job(job: Job, timeout: float = 900, resume: bool = False, strict: bool =
     stage = staging_dir(job)
     shutil.rmtree(stage, ignore_errors=True)        # what a killed runner left
     stage.mkdir(parents=True)
-    r = execute(Path(job.path), stage, job.slug, job.run_params(stage), timeout, strict,
-                threads, retries)
+    with _running_lock:
+        _running[id(job)] = (job, stage, time.time())
+    try:
+        r = execute(Path(job.path), stage, job.slug, job.run_params(stage), timeout, strict,
+                    threads, retries)
+    finally:
+        with _running_lock:
+            _running.pop(id(job), None)
     if cancel is not None and cancel.is_set():      # killed by Ctrl-C: nothing to keep
         shutil.rmtree(stage, ignore_errors=True)
         return JobResult(job, "interrupted", r["duration_s"], STATUSES["interrupted"])
@@ -455,6 +836,8 @@ def run_batch(jobs: list[Job], n_jobs: int | None = None, timeout: float = 900,
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
+    started: set = set()
+    shown, last = "", 0.0
     try:
         pending = set(futures)
         while pending and not interrupted.is_set():
@@ -463,8 +846,14 @@ def run_batch(jobs: list[Job], n_jobs: int | None = None, timeout: float = 900,
                 i = futures[fut]
                 results[i] = _result_of(fut, jobs[i])
                 r = results[i]
-                bar.set_postfix_str(f"{r.job.slug} seed {r.job.seed}: {r.status}", refresh=False)
+                bar.write(f"{r.status}: {job_label(r.job)} ({r.duration_s:.0f} s)")
                 bar.update(1)
+            if show_progress and time.time() - last > 1.0:     # inside the running jobs
+                last = time.time()
+                now = running_progress(started, bar.write)
+                if now != shown:
+                    shown = now
+                    bar.set_postfix_str(now[:160], refresh=True)
         if interrupted.is_set():
             raise KeyboardInterrupt
     except KeyboardInterrupt:

@@ -13,60 +13,150 @@ from .env import project_root
 from .runtime import SCALES
 
 
-def _last_result(slug: str) -> str:
-    """The newest metrics.json of this notebook under runs/: claims held, scale, seed, when."""
-    runs = project_root() / "runs"
-    best = None
-    for path in runs.rglob("metrics.json") if runs.is_dir() else []:
-        if path.parent.name == slug or f"/{slug}/" in path.as_posix():
-            if best is None or path.stat().st_mtime > best.stat().st_mtime:
-                best = path
-    if best is None:
-        return "never run"
-    m = json.loads(best.read_text())
-    claims = m.get("claims", [])
-    held = sum(c["holds"] for c in claims)
-    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(best.stat().st_mtime))
-    return f"{held}/{len(claims)} hold ({m.get('scale')}, seed {m.get('seed')}, {when})"
+def _last_results(root: Path) -> dict[str, str]:
+    """slug -> its newest readable metrics.json under ``root``: claims held, scale, seed, when.
+    One walk of the folder for all notebooks; hidden folders (jobs being assembled) skipped."""
+    newest: dict[str, tuple[float, Path]] = {}
+    for path in root.rglob("metrics.json") if root.is_dir() else []:
+        rel = path.relative_to(root).parts
+        if any(part.startswith(".") for part in rel):
+            continue
+        try:
+            mtime = path.stat().st_mtime
+        except OSError:
+            continue
+        for part in path.parent.parts[-4:]:
+            if nbs.NAME_RE.match(part + ".ipynb"):
+                if part not in newest or mtime > newest[part][0]:
+                    newest[part] = (mtime, path)
+                break
+    out = {}
+    for slug, (mtime, path) in newest.items():
+        try:
+            m = json.loads(path.read_text())
+            claims = m.get("claims", [])
+            held = sum(bool(c.get("holds")) for c in claims)
+        except (OSError, ValueError, AttributeError):
+            out[slug] = "unreadable metrics.json"
+            continue
+        when = time.strftime("%m-%d %H:%M", time.localtime(mtime))
+        out[slug] = f"{held}/{len(claims)} hold, {m.get('scale')} s{m.get('seed')}, {when}"
+    return out
+
+
+def _claim_ids(claims: list[str]) -> str:
+    """``C1 C2 C3 C5`` -> ``C1-C3 C5``: claim ids in little room."""
+    nums = [int(c[1:]) for c in claims if c[1:].isdigit()]
+    if len(nums) != len(claims) or not nums:
+        return " ".join(claims) or "-"
+    runs, start = [], nums[0]
+    for a, b in zip(nums, nums[1:] + [None]):
+        if b != a + 1:
+            runs.append(f"C{start}" if start == a else f"C{start}-C{a}")
+            start = b
+    return " ".join(runs)
+
+
+def _fit(rows: list[tuple], width: int, flex: int) -> list[str]:
+    """Rows as aligned columns within ``width`` characters; column ``flex`` is shortened."""
+    widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
+    room = width - (sum(widths) - widths[flex]) - 2 * (len(widths) - 1)
+    widths[flex] = max(8, min(widths[flex], room))
+    lines = []
+    for r in rows:
+        cells = list(r)
+        if len(cells[flex]) > widths[flex]:
+            cells[flex] = cells[flex][: widths[flex] - 3] + "..."
+        lines.append("  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()[:width])
+    return lines
 
 
 def cmd_list(args) -> int:
-    infos = nbs.discover()
+    broken: list[tuple[Path, str]] = []
+    infos = nbs.discover(broken=broken)
+    for path, reason in broken:
+        print(f"warning: skipped {path.name}: {reason}", file=sys.stderr)
     if not infos:
         print(f"no notebooks found in {nbs.notebooks_dir()}")
         return 1
-    rows = [("no", "slug", "title", "claims", "last result")]
+    runs = Path(args.runs) if args.runs else project_root() / "runs"
+    if args.runs and not runs.is_dir():
+        print(f"error: --runs {runs} is not a folder", file=sys.stderr)
+        return 2
+    last = _last_results(runs)
+    rows = [("no", "slug", "title", "claims", f"last result (in {args.runs or 'runs/'})")]
     for i in infos:
-        title = i.title if len(i.title) <= 60 else i.title[:57] + "..."
-        rows.append((i.number, i.slug, title, " ".join(i.claims) or "-", _last_result(i.slug)))
-    widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
-    for n, r in enumerate(rows):
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-        if n == 0:
-            print("-" * (sum(widths) + 2 * (len(widths) - 1)))
+        rows.append((i.number, i.slug, i.title, _claim_ids(i.claims),
+                     last.get(i.slug, "never run")))
+    lines = _fit(rows, args.width, flex=2)
+    print(lines[0])
+    print("-" * min(args.width, max(len(ln) for ln in lines)))
+    print("\n".join(lines[1:]))
     return 0
+
+
+def _dashboard_link(client) -> str | None:
+    """The Dask dashboard's address, only when something serves it (bokeh installed)."""
+    import importlib.util
+    if importlib.util.find_spec("bokeh") is None:
+        return None
+    return getattr(client, "dashboard_link", None)
 
 
 def cmd_run(args) -> int:
     from . import batch, report
     if not args.all and not args.notebooks:
-        print("name one or more notebooks (see `workbench list`) or pass --all", file=sys.stderr)
+        print("error: name one or more notebooks (see `workbench list`) or pass --all",
+              file=sys.stderr)
         return 2
     executor = "dask" if args.scheduler else args.executor
+    command = " ".join(["workbench", "run", *sys.argv[2:]]) if sys.argv[1:2] == ["run"] \
+        else "workbench run"
+    notes: list[str] = []
     try:
-        infos = nbs.discover() if args.all else [nbs.resolve(n) for n in args.notebooks]
-        seeds = [int(s) for s in batch.split_values(args.seeds)]
+        broken: list[tuple[Path, str]] = []
+        if args.all:
+            infos = nbs.discover(broken=broken)
+            for path, reason in broken:
+                print(f"warning: skipped {path.name}: {reason}", file=sys.stderr)
+        else:
+            infos = [nbs.resolve(n) for n in args.notebooks]
+        seeds = batch.parse_seeds(args.seeds)
         raw: dict[str, list[str]] = {}
         for name, value in args.param or []:
             if name in raw:
                 raise batch.ParameterError(f"-p {name} given twice; use a comma list for a grid")
-            raw[name] = batch.split_values(value)
-        out = Path(args.out or project_root() / "runs" / time.strftime("%Y%m%d-%H%M%S"))
-        jobs = batch.plan(infos, out, scale=args.scale, raw_params=raw, seeds=seeds)
-    except (LookupError, batch.ParameterError, ValueError) as e:
+            raw[name] = batch.split_values(value, f"-p {name}")
+        out = Path(args.out) if args.out else None
+        if out is not None and out.exists() and not out.is_dir():
+            raise batch.RunDirError(f"--out {out} is a file, not a folder; give a folder for "
+                                    "the results")
+        base = out or project_root() / "runs" / "<new>"
+        jobs = batch.plan(infos, base, scale=args.scale, raw_params=raw, seeds=seeds,
+                          notes=notes)
+    except (LookupError, batch.ParameterError, batch.RunDirError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     n_jobs = args.jobs or os.cpu_count() or 1
+    if args.dry_run:
+        where = out or project_root() / "runs" / "<YYYYmmdd-HHMMSS>"
+        print(f"{len(jobs)} job(s) over {len({j.slug for j in jobs})} notebook(s) would run, "
+              f"{min(n_jobs, len(jobs))} at a time, timeout {args.timeout:g} s each -> {where}")
+        for j in jobs:
+            print(f"  {batch.job_label(j):<50} {Path(j.out).relative_to(Path(base).resolve())}")
+        return 0
+    try:        # --out is taken (created, locked) only once every job is known to be valid
+        if out is None:
+            out, lock = batch.new_run_dir(project_root() / "runs", command)
+        else:
+            lock = batch.claim_run_dir(out, command)
+    except batch.RunDirError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.out is None:        # planned against a placeholder: lay the jobs out in the new dir
+        jobs = batch.plan(infos, out, scale=args.scale, raw_params=raw, seeds=seeds)
     client = None
     if executor == "dask":      # connect before anything runs: a bad address is bad input
         from . import cluster
@@ -77,12 +167,12 @@ def cmd_run(args) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         where = args.scheduler or f"a local cluster of {min(n_jobs, len(jobs))} worker(s)"
-        how = f"on {where}" + (f", dashboard {client.dashboard_link}"
-                               if getattr(client, "dashboard_link", None) else "")
+        link = _dashboard_link(client)
+        how = f"on {where}" + (f", dashboard {link}" if link else "")
     else:
         how = f"{min(n_jobs, len(jobs))} at a time"
-    out.mkdir(parents=True, exist_ok=True)
-    print(f"{len(jobs)} job(s) over {len(infos)} notebook(s), {how}, "
+    batch.write_plan(out, jobs, infos, command)
+    print(f"{len(jobs)} job(s) over {len({j.slug for j in jobs})} notebook(s), {how}, "
           f"timeout {args.timeout:g} s each -> {out}")
     try:
         # on an existing cluster, without --jobs: as many jobs at a time as it has threads
@@ -100,6 +190,7 @@ def cmd_run(args) -> int:
     print(batch.summary_table(results))
     index = report.build(out, html=args.html)
     print(f"report: {index}")
+    lock.close()
     if any(r.status == "interrupted" for r in results):
         print(f"interrupted: finished jobs are kept; `--resume --out {out}` runs the rest",
               file=sys.stderr)
@@ -110,8 +201,8 @@ def cmd_run(args) -> int:
 def cmd_report(args) -> int:
     from . import report
     try:
-        index = report.build(Path(args.dir), html=not args.no_html)
-    except FileNotFoundError as e:
+        index = report.build(Path(args.dir), html=not args.no_html, require=True)
+    except (FileNotFoundError, report.EmptyRunDir) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"report: {index}\nresults: {index.parent / 'results.csv'}")
@@ -186,28 +277,98 @@ def cmd_zoo(args) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {n}")
+    return n
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {n}")
+    return n
+
+
+def _seconds(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not x > 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return x
+
+
+RUN_EPILOG = """\
+values: -p NAME VALUE sets a parameter of the notebook's parameters cell (see `workbench run
+  SLUG --dry-run` and the cell itself). Commas make a grid: -p bits 4,3,2 runs three jobs. One
+  value that holds commas is written in brackets or quotes: -p candidates '[lm-base,lm-gpt2]'
+  is one job with both models (a str parameter gets "lm-base,lm-gpt2"), and -p x '[1,2],[3]'
+  is a grid of two lists. Values outside a parameter's declared limit ([1..], (0..1], {a|b})
+  are refused before any job starts.
+
+examples:
+  workbench run 12-nfi                              one job: smoke scale, seed 0
+  workbench run 12-nfi --seeds 0,1,2 --jobs 2       three seeds, two at a time
+  workbench run 12-nfi -p lr 0.01,0.003 --seeds 0,1 a grid: 2 values x 2 seeds = 4 jobs
+  workbench run 11-haps -p candidates '[lm-base,lm-gpt2]'   one list value, not a grid
+  workbench run --all --scale full --out runs/full  every notebook at full scale
+  workbench run --all --out runs/full --resume      run only what is not complete there
+  workbench run 12-nfi -p steps 50,100 --dry-run    show the jobs and folders, run nothing
+
+one run owns its --out folder (a second run on it is refused); without --out each run gets a
+new runs/<YYYYmmdd-HHMMSS>. While jobs run, the progress line shows each job's cell and the
+path of its live log. Exit status: 0 all jobs passed, 1 some failed, 2 bad input (nothing ran),
+130 interrupted.
+"""
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="workbench", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
-    sub.add_parser("list", help="every notebook with its claims and last result")
+    ls = sub.add_parser("list", help="every notebook with its claims and last result")
+    ls.add_argument("--runs", metavar="DIR", default=None,
+                    help="read the last results from this run folder (default: runs/)")
+    ls.add_argument("--width", type=_positive_int, default=100,
+                    help="columns to fit in (default 100)")
 
     n = sub.add_parser("new", help="a new notebook NN-slug.ipynb from the template")
     n.add_argument("name", help="NN-slug, e.g. 08-htfm")
     n.add_argument("--title", help="the paper's title (default: from the slug)")
     n.add_argument("--force", action="store_true", help="overwrite an existing notebook")
 
-    r = sub.add_parser("run", help="execute notebooks through papermill, in parallel")
+    r = sub.add_parser("run", help="execute notebooks through papermill, in parallel",
+                       description="Run notebooks as papermill jobs: one job per notebook x "
+                       "parameter set x seed, each in its own folder of --out, then write the "
+                       "report (index.html, results.csv, aggregate.csv).",
+                       epilog=RUN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("notebooks", nargs="*", metavar="SLUG", help="e.g. 12-nfi (or its number)")
     r.add_argument("--all", action="store_true", help="every notebook")
-    r.add_argument("--scale", choices=SCALES, default="smoke")
+    r.add_argument("--scale", choices=SCALES, default="smoke",
+                   help="the sizes each notebook runs at: smoke (CPU, about a minute a "
+                        "notebook; the default) or full (the papers' sizes, mostly GPU)")
     r.add_argument("-p", "--param", nargs=2, action="append", metavar=("NAME", "VALUE"),
-                   help="set a notebook parameter; a comma list (-p bits 4,3,2) makes a grid")
-    r.add_argument("--seeds", default="0", help="comma list of seeds, e.g. 0,1,2")
-    r.add_argument("--jobs", type=int, default=None,
+                   help="set a notebook parameter; a comma list (-p bits 4,3,2) makes a grid, "
+                        "a value in brackets or quotes ('[a,b]', '\"a,b\"') is one value")
+    r.add_argument("--seeds", default="0", help="comma list of seeds, e.g. 0,1,2 (default 0)")
+    r.add_argument("--jobs", type=_positive_int, default=None,
                    help="parallel jobs (default: cores; with --scheduler, the cluster's threads)")
-    r.add_argument("--timeout", type=float, default=900, help="seconds per job")
-    r.add_argument("--out", default=None, help="run directory (default runs/<timestamp>)")
+    r.add_argument("--timeout", type=_seconds, default=900,
+                   help="seconds per job before it is stopped (default 900)")
+    r.add_argument("--out", default=None,
+                   help="run folder, owned by this run while it runs (default: a new "
+                        "runs/<YYYYmmdd-HHMMSS>)")
+    r.add_argument("--dry-run", action="store_true",
+                   help="check every value and list the jobs and their folders; run nothing")
     r.add_argument("--resume", action="store_true",
                    help="skip jobs complete in --out for the same notebook content and parameters")
     r.add_argument("--strict", action="store_true",
@@ -217,7 +378,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--scheduler", metavar="ADDRESS", default=None,
                    help="Dask scheduler to run on, e.g. tcp://host:8786 (implies --executor dask;"
                         " default: a local cluster of --jobs workers)")
-    r.add_argument("--retries", type=int, default=1,
+    r.add_argument("--retries", type=_non_negative_int, default=1,
                    help="Dask: times a job is re-run on another worker when its worker dies "
                         "(local cluster; an existing one uses its allowed-failures setting)")
     r.add_argument("--html", action="store_true",

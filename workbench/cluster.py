@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import uuid
 from pathlib import Path
 
@@ -152,7 +154,7 @@ def _commit_remote(job: Job, r: dict, deaths: int) -> JobResult:
     result = JobResult(job, r["status"], r.get("duration_s", 0.0), r.get("error", ""),
                        r.get("attempts", 1) + deaths, r.get("claims", []),
                        r.get("error_cell", ""), "; ".join(notes))
-    return batch.commit(result, stage)
+    return batch.commit(result, stage, wrote_to=r.get("worker_dir"))
 
 
 def run_dask(jobs: list[Job], client=None, n_workers: int | None = None, timeout: float = 900,
@@ -193,6 +195,11 @@ def run_dask(jobs: list[Job], client=None, n_workers: int | None = None, timeout
         pending[fut] = i
         return fut
 
+    # Ctrl-C must stop the batch even when this process inherited SIGINT as ignored (started
+    # with `&` from a script, or by nohup): Python then installs no handler of its own
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         todo = []
         for i, job in enumerate(jobs):
@@ -231,6 +238,8 @@ def run_dask(jobs: list[Job], client=None, n_workers: int | None = None, timeout
     except KeyboardInterrupt:
         client.cancel([f for f, i in pending.items() if i not in results])
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
         bar.close()
         if own:
             close(client)       # stops the workers, whose papermill children die with them

@@ -20,6 +20,11 @@ import statistics
 from pathlib import Path
 
 AGGREGATE_COLUMNS = ["notebook", "params", "metric", "mean", "std", "n", "seeds"]
+PLAN_NAME = "plan.json"        # written by `workbench run` (batch.write_plan)
+
+
+class EmptyRunDir(ValueError):
+    """The folder holds no job and no plan: nothing to report."""
 
 
 def collect(root: Path) -> list[dict]:
@@ -34,6 +39,11 @@ def collect(root: Path) -> list[dict]:
         job = _read_json(d / "job.json")
         met = _read_json(d / "metrics.json")
         spec = job.get("job", {})
+        status, error = job.get("status", "ok" if met else "unknown"), job.get("error", "")
+        if status in ("ok", "cached") and (d / "metrics.json").exists() and not met:
+            status, error = "failed", "metrics.json is not readable JSON (cut short?)"
+        elif status in ("ok", "cached") and not (d / "metrics.json").exists():
+            status, error = "failed", "metrics.json is missing"
         records.append({
             "dir": d, "rel": rel.as_posix(),
             "notebook": spec.get("slug") or met.get("notebook", d.name),
@@ -41,12 +51,12 @@ def collect(root: Path) -> list[dict]:
                                           if k not in ("scale", "seed", "device", "out_dir")}),
             "scale": spec.get("scale") or met.get("scale"),
             "seed": spec.get("seed", met.get("seed")),
-            "status": job.get("status", "ok" if met else "unknown"),
+            "status": status,
             "duration_s": job.get("duration_s", met.get("duration_s")),
             "run_s": met.get("duration_s"),     # start() to finish(): kernel start excluded
             "attempts": job.get("attempts", 1),
             "note": job.get("note", ""),
-            "error": job.get("error", ""),
+            "error": error,
             "error_cell": job.get("error_cell", ""),
             "metrics": met.get("metrics", {}),
             "claims": met.get("claims", []),
@@ -57,9 +67,61 @@ def collect(root: Path) -> list[dict]:
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError):       # absent, or unreadable: the record says what it can
         return {}
+    return data if isinstance(data, dict) else {}
+
+
+def planned_but_missing(root: Path, records: list[dict]) -> list[dict]:
+    """Records for the jobs ``plan.json`` lists that left no result (the batch was stopped, or
+    the runner killed, before they finished), so that every planned job is in the report."""
+    plan = _read_json(Path(root) / PLAN_NAME)
+    have = {r["rel"] for r in records}
+    out = []
+    for j in plan.get("jobs", []):
+        if not isinstance(j, dict) or j.get("dir") in have:
+            continue
+        out.append({
+            "dir": Path(root) / j.get("dir", ""), "rel": j.get("dir", ""),
+            "notebook": j.get("slug"), "params": j.get("params") or {}, "scale": j.get("scale"),
+            "seed": j.get("seed"), "status": "interrupted", "duration_s": None, "run_s": None,
+            "attempts": 0, "note": "", "error": "no result: the batch stopped before this job "
+            "finished (`workbench run --resume --out` runs it)", "error_cell": "",
+            "metrics": {}, "claims": [], "figures": []})
+    return out
+
+
+def run_info(root: Path, records: list[dict]) -> dict:
+    """When the batch started, its command, the git commit(s) and the notebooks' titles: from
+    ``plan.json`` when there is one, else from the jobs' ``env.json`` and file times."""
+    import time
+    root = Path(root)
+    plan = _read_json(root / PLAN_NAME)
+    commits: dict[str, bool] = {}
+    git = plan.get("git") or {}
+    if git.get("commit"):
+        commits[git["commit"]] = bool(git.get("dirty"))
+    for r in records:
+        g = _read_json(Path(r["dir"]) / "env.json").get("git") or {}
+        if g.get("commit"):
+            commits[g["commit"]] = commits.get(g["commit"], False) or bool(g.get("dirty"))
+    started = plan.get("started")
+    if not started:
+        times = [p.stat().st_mtime for r in records for p in [Path(r["dir"]) / "job.json",
+                 Path(r["dir"]) / "metrics.json"] if p.exists()]
+        started = time.strftime("%Y-%m-%d %H:%M", time.localtime(min(times))) if times else ""
+    titles = dict(plan.get("titles") or {})
+    missing = {r["notebook"] for r in records} - set(titles)
+    if missing:
+        try:
+            from .notebooks import discover
+            titles.update({i.slug: i.title for i in discover() if i.slug in missing})
+        except Exception:       # no notebooks folder here: the slugs will do
+            pass
+    return {"started": started, "command": plan.get("command", ""),
+            "commits": [{"commit": c[:10], "dirty": d} for c, d in commits.items()],
+            "titles": titles}
 
 
 def params_key(params: dict) -> str:
@@ -171,7 +233,8 @@ def _claims_matrix(recs: list[dict]) -> dict:
             if c["id"] not in texts:
                 ids.append(c["id"])
                 texts[c["id"]] = (c.get("text", ""), c.get("robust", False))
-    cols = [f"{params_key(r['params'])} · seed {r['seed']}" for r in recs]
+    cols = [(f"{params_key(r['params'])} · " if r["params"] else "") + f"seed {r['seed']}"
+            for r in recs]
     rows = []
     for cid in ids:
         cells = []
@@ -198,23 +261,29 @@ def _aggregate_table(rows: list[dict]) -> dict:
     return {"params": params, "rows": body}
 
 
-def build(root: Path, html: bool = True) -> Path:
+def build(root: Path, html: bool = True, require: bool = False) -> Path:
     """Write ``results.csv``, ``aggregate.csv`` and ``index.html`` into ``root``; return the
     path of ``index.html``. ``html``: also render each executed notebook as HTML beside it
     (nbconvert, ~1 s each); without it the report links the ``.ipynb`` (or an HTML page that is
-    already there)."""
+    already there). Every job of the run's ``plan.json`` is listed, those without a result as
+    interrupted. ``require``: :class:`EmptyRunDir` when there is nothing to report."""
     from .report_html import render
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"{root} is not a directory; give the --out directory of a run")
     records = collect(root)
+    records += planned_but_missing(root, records)
+    if require and not records:
+        raise EmptyRunDir(f"{root} holds no results (no job.json or metrics.json below it, "
+                          "no plan.json); give the --out folder of a run")
+    info = run_info(root, records)
     results = results_rows(records)
     agg = aggregate_rows(records)
     _write_csv(root / "results.csv", results, ["notebook", "scale", "params", "seed", "status"])
     _write_csv(root / "aggregate.csv", agg, AGGREGATE_COLUMNS)
 
     notebooks = []
-    for nb in sorted({r["notebook"] for r in records}):
+    for nb in sorted({r["notebook"] for r in records}, key=str):
         recs = [r for r in records if r["notebook"] == nb]
         recs.sort(key=lambda r: (params_key(r["params"]), r["seed"] if r["seed"] is not None
                                  else -1))
@@ -236,7 +305,7 @@ def build(root: Path, html: bool = True) -> Path:
                 "log": f"{r['rel']}/log.txt" if (r["dir"] / "log.txt").exists() else None,
                 "figures": figures})
         notebooks.append({
-            "name": nb,
+            "name": nb, "title": info["titles"].get(nb, ""),
             "failed": [r for r in recs if r["status"] not in ("ok", "cached")],
             "claims": _claims_matrix([r for r in recs if r["claims"]]),
             "aggregate": _aggregate_table([a for a in agg if a["notebook"] == nb]),
@@ -245,5 +314,5 @@ def build(root: Path, html: bool = True) -> Path:
             for row in results]
     index = root / "index.html"
     index.write_text(render(root=str(root), n_runs=len(records), jobs=jobs,
-                            notebooks=notebooks))
+                            notebooks=notebooks, info=info))
     return index

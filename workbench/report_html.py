@@ -17,13 +17,25 @@ img{max-width:560px;margin:4px;border:1px solid #eee}h2{border-bottom:2px solid 
 .fail{color:#b00}small{color:#666}
 </style></head><body>
 <h1>Workbench report</h1>
-<p>{{ n_runs }} run(s) in <code>{{ root }}</code>; tables:
+<p>{{ n_runs }} job(s) in <code>{{ root }}</code>
+{%- if info.started %}, started {{ info.started }}{% endif %}
+{%- if info.commits %}, git commit {% for c in info.commits %}<code>{{ c.commit }}</code>
+{%- if c.dirty %} (with uncommitted changes){% endif %}{% if not loop.last %}, {% endif %}
+{%- endfor %}{% endif %}
+{%- if info.command %}: <code>{{ info.command }}</code>{% endif %}.</p>
+<p>Tables:
 <a href="results.csv">results.csv</a> (one row per job),
 <a href="aggregate.csv">aggregate.csv</a> (one row per notebook, parameters and metric).</p>
 {% if jobs %}
 <h2>Jobs</h2>
-<table><tr><th>notebook</th><th>params</th><th>seed</th><th>status</th><th>time (s)</th>
-<th>notebook time (s)</th><th>note</th></tr>
+<p><small><b>job time</b>: the whole job as the runner saw it (kernel start, papermill,
+every cell, writing the results); <b>notebook time</b>: from the notebook's
+<code>workbench.start()</code> to its <code>run.finish()</code>, as the notebook measured it
+(blank when it did not finish).</small></p>
+<table><tr><th>notebook</th><th>params</th><th>seed</th><th>status</th>
+<th title="kernel start to results written, as the runner measured it">job time (s)</th>
+<th title="workbench.start() to run.finish(), as the notebook measured it">notebook time (s)</th>
+<th>note</th></tr>
 {% for j in jobs %}<tr><td><a href="#{{ j.notebook }}">{{ j.notebook }}</a></td>
 <td>{{ j.params }}</td><td>{{ j.seed }}</td>
 <td class="{{ 'ok' if j.status in ('ok', 'cached') else 'bad' }}">{{ j.status }}</td>
@@ -33,7 +45,7 @@ img{max-width:560px;margin:4px;border:1px solid #eee}h2{border-bottom:2px solid 
 {% endfor %}</table>
 {% endif %}
 {% for nb in notebooks %}
-<h2 id="{{ nb.name }}">{{ nb.name }}</h2>
+<h2 id="{{ nb.name }}">{{ nb.name }}{% if nb.title %}: {{ nb.title }}{% endif %}</h2>
 {% for r in nb.failed %}<p class="fail">{{ r.rel }}: {{ r.status }} {{ r.error }}
 {%- if r.error_cell %} in {{ r.error_cell }}{% endif %}
  (<a href="{{ r.rel }}/log.txt">log</a>)</p>

@@ -31,6 +31,15 @@ SCALES = ("smoke", "full")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 
 
+def interactive_dir(slug: str) -> Path:
+    """The run folder of a notebook run without ``out_dir`` (JupyterLab, plain papermill, a
+    script): ``runs/interactive/<slug>/<YYYYmmdd-HHMMSS>-<pid>``, one per run, so that two runs
+    of the same notebook (a JupyterLab session and a papermill run, say) never write into, or
+    overwrite, each other's folder."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return project_root() / "runs" / "interactive" / slug / f"{stamp}-{os.getpid()}"
+
+
 class ClaimFailed(AssertionError):
     """A robust claim did not hold while strict mode was on."""
 
@@ -150,7 +159,7 @@ class Run:
         self.t0 = time.time()
         self.determinism = seed_everything(self.seed)
         self.device = pick_device(device)
-        self.out_dir = Path(out_dir) if out_dir else project_root() / "runs" / "interactive" / slug
+        self.out_dir = Path(out_dir) if out_dir else interactive_dir(slug)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "figures").mkdir(exist_ok=True)
         self.params = {"scale": scale, "seed": self.seed, "device": device,
