@@ -60,8 +60,14 @@ def test_no_import_cycles():
 
 def test_shared_parts_never_import_a_method():
     for m, targets in import_graph().items():
-        if not m.startswith(("workbench.methods", "workbench.template")):
+        if not m.startswith(("workbench.methods", "workbench.experiments", "workbench.template")):
             assert not any(t.startswith("workbench.methods") for t in targets), m
+
+
+def test_nothing_but_an_experiment_imports_an_experiment():
+    for m, targets in import_graph().items():
+        if not m.startswith("workbench.experiments"):
+            assert not any(t.startswith("workbench.experiments") for t in targets), m
 
 
 def test_the_cli_starts_without_torch():

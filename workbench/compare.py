@@ -1,0 +1,127 @@
+"""Compare two run folders: which metrics and verdicts differ, job by job.
+
+``python -m workbench.compare BEFORE AFTER [--tol 0]`` reads every ``metrics.json`` under both
+folders (``<slug>/<params>/seed-N/``), pairs the jobs, and prints each metric whose value differs
+by more than ``--tol`` (relative) and each claim whose verdict differs, then one summary line;
+exit status 1 when anything differs. Timings (``duration_s``, names ending ``_s``, ``seconds``,
+``_time``) are left out: they measure the machine, not the experiment. A refactor that must not
+move a number is checked with ``--tol 0``.
+
+Torch-free.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+__all__ = ["load_runs", "is_timing", "diff_metrics", "compare", "main"]
+
+TIMING_SUFFIXES = ("_s", "_seconds", "seconds", "_time", "_sec", "_ms")
+
+
+def load_runs(root: Path) -> dict[str, dict]:
+    """``{"<slug>/<params>/seed-N": metrics.json}`` under ``root`` (hidden staging folders out)."""
+    root = Path(root)
+    out = {}
+    for p in sorted(root.glob("*/*/seed-*/metrics.json")):
+        rel = p.parent.relative_to(root)
+        if any(part.startswith(".") for part in rel.parts):
+            continue
+        out[str(rel)] = json.loads(p.read_text())
+    return out
+
+
+def is_timing(name: str) -> bool:
+    n = name.lower()
+    return n.endswith(TIMING_SUFFIXES) or "seconds" in n or n.startswith(("time_", "wall"))
+
+
+def _flat(d, prefix=""):
+    """Nested dicts and lists of metrics as ``a.b.0`` -> scalar."""
+    if isinstance(d, dict):
+        for k, v in d.items():
+            yield from _flat(v, f"{prefix}{k}.")
+    elif isinstance(d, (list, tuple)):
+        for i, v in enumerate(d):
+            yield from _flat(v, f"{prefix}{i}.")
+    else:
+        yield prefix[:-1], d
+
+
+def _differs(a, b, tol: float) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool) or not all(
+            isinstance(x, (int, float)) for x in (a, b)):
+        return a != b
+    if math.isnan(a) and math.isnan(b):
+        return False
+    if tol == 0:
+        return a != b
+    return abs(a - b) > tol * max(abs(a), abs(b), 1e-12)
+
+
+def diff_metrics(before: dict, after: dict, tol: float = 0.0) -> list[str]:
+    """Lines naming every metric, claim verdict or claim evidence that differs."""
+    lines = []
+    ma = {k: v for k, v in _flat(before.get("metrics", {})) if not is_timing(k)}
+    mb = {k: v for k, v in _flat(after.get("metrics", {})) if not is_timing(k)}
+    for k in sorted(set(ma) | set(mb)):
+        if k not in ma or k not in mb:
+            lines.append(f"metric {k}: {'missing before' if k not in ma else 'missing after'}")
+        elif _differs(ma[k], mb[k], tol):
+            lines.append(f"metric {k}: {ma[k]!r} -> {mb[k]!r}")
+    ca = {c["id"]: c for c in before.get("claims", [])}
+    cb = {c["id"]: c for c in after.get("claims", [])}
+    for cid in sorted(set(ca) | set(cb)):
+        if cid not in ca or cid not in cb:
+            lines.append(f"claim {cid}: {'missing before' if cid not in ca else 'missing after'}")
+            continue
+        if ca[cid].get("holds") != cb[cid].get("holds"):
+            lines.append(f"claim {cid}: holds {ca[cid].get('holds')} -> {cb[cid].get('holds')}")
+        ea = {k: v for k, v in _flat(ca[cid].get("evidence", {})) if not is_timing(k)}
+        eb = {k: v for k, v in _flat(cb[cid].get("evidence", {})) if not is_timing(k)}
+        for k in sorted(set(ea) | set(eb)):
+            if k not in ea or k not in eb or _differs(ea[k], eb[k], tol):
+                lines.append(f"claim {cid} evidence {k}: {ea.get(k, '(none)')!r} -> "
+                             f"{eb.get(k, '(none)')!r}")
+    return lines
+
+
+def compare(before: Path, after: Path, tol: float = 0.0, only=None) -> tuple[list[str], int]:
+    """All differing lines (``job: line``) and the number of jobs compared."""
+    a, b = load_runs(before), load_runs(after)
+    jobs = sorted(set(a) & set(b))
+    if only:
+        jobs = [j for j in jobs if j.split("/")[0] in only]
+    lines = []
+    for j in jobs:
+        lines += [f"{j}: {line}" for line in diff_metrics(a[j], b[j], tol)]
+    for j in sorted(set(a) ^ set(b)):
+        if not only or j.split("/")[0] in only:
+            lines.append(f"{j}: only in {'before' if j in a else 'after'}")
+    return lines, len(jobs)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m workbench.compare", description=__doc__.split(
+        "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("before", type=Path, help="run folder (as written by workbench run --out)")
+    ap.add_argument("after", type=Path)
+    ap.add_argument("--tol", type=float, default=0.0, help="relative tolerance (default 0: exact)")
+    ap.add_argument("--only", nargs="*", help="notebook slugs to compare (default: all in both)")
+    args = ap.parse_args(argv)
+    for d in (args.before, args.after):
+        if not d.is_dir():
+            print(f"error: {d} is not a run folder", file=sys.stderr)
+            return 2
+    lines, n = compare(args.before, args.after, args.tol, args.only)
+    print("\n".join(lines))
+    print(f"{n} jobs compared, {len(lines)} differences" + (f" (tol {args.tol})" if args.tol else
+                                                             " (exact)"))
+    return 1 if lines else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""Recorded results: what a notebook's "What we saw" shows, read from runs, never typed.
+
+``workbench run NN --seeds 0,1,2 --out DIR`` then ``workbench report DIR`` (or
+:func:`record`) writes ``notebooks/results/<slug>.json``: every claim's verdict per seed and every
+scalar metric's mean, std and values, over the seeds of the notebook's default smoke run. The file
+carries a key: a hash of the notebook's code cells and the zoo's recipe keys. When either moves,
+the file is stale (:func:`stale`), and the test suite says which notebook to run again.
+
+In a notebook, :func:`show` renders the verdict table from the file, and :func:`say` renders
+prose whose numbers come from it::
+
+    results.say("12-nfi", "C1 holds on {claims[C1]} seeds; the gap is {metrics[gap]:.2f}.")
+
+Torch-free (the report imports it); the zoo's keys are read lazily.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .env import project_root
+
+__all__ = ["SEEDS", "results_dir", "path", "notebook_key", "zoo_keys", "current_key", "record",
+           "load", "stale", "Recorded", "show", "say"]
+
+SEEDS = (0, 1, 2)           # the seeds a recorded result covers
+RESULTS_TAG = "results"     # a code cell tagged so shows recorded results: not part of the key
+
+
+def results_dir() -> Path:
+    """``notebooks/results``: one JSON file per notebook, committed with it."""
+    return project_root() / "notebooks" / "results"
+
+
+def path(slug: str) -> Path:
+    return results_dir() / f"{slug}.json"
+
+
+def notebook_key(nb_path: Path) -> str:
+    """A hash of the notebook's code cells (sources only; the cells tagged ``results``, which
+    only read this file, and all markdown are left out, so editing prose keeps the record)."""
+    nb = json.loads(Path(nb_path).read_text())
+    code = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"
+            and RESULTS_TAG not in c.get("metadata", {}).get("tags", [])]
+    return hashlib.sha256(json.dumps(code).encode()).hexdigest()[:16]
+
+
+def zoo_keys() -> dict:
+    """The smoke keys of every zoo recipe, the LoRA pool's version and the mini-CLIP's key:
+    when one moves, the backbones (and so the numbers) may have moved."""
+    from .models import clip, recipes           # lazy: clip imports torch
+    from .models.adapters import POOL_VERSION
+    keys = {name: r.key("smoke") for name, r in sorted(recipes.RECIPES.items())}
+    keys["lora-pool"] = POOL_VERSION
+    keys[clip.NAME] = clip.model_dir("smoke").name
+    return keys
+
+
+def current_key(slug: str) -> dict:
+    return {"notebook": notebook_key(project_root() / "notebooks" / f"{slug}.ipynb"),
+            "zoo": zoo_keys()}
+
+
+def _scalar(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def record(run_dir: Path, slugs=None, seeds=SEEDS) -> list[Path]:
+    """Write ``notebooks/results/<slug>.json`` for every notebook in ``run_dir`` whose default
+    smoke run (folder ``smoke``) finished ``ok`` on every seed of ``seeds``; returns the files
+    written. A notebook with a missing or failed seed is left as it was."""
+    run_dir = Path(run_dir)
+    written = []
+    for nb_dir in sorted(p for p in run_dir.iterdir() if p.is_dir()):
+        slug = nb_dir.name
+        if slugs is not None and slug not in slugs:
+            continue
+        runs = []
+        for s in seeds:
+            m = nb_dir / "smoke" / f"seed-{s}" / "metrics.json"
+            job = nb_dir / "smoke" / f"seed-{s}" / "job.json"
+            if not m.exists() or (job.exists() and json.loads(job.read_text()).get("status")
+                                  not in ("ok", None)):
+                break
+            runs.append(json.loads(m.read_text()))
+        else:
+            if not (project_root() / "notebooks" / f"{slug}.ipynb").exists():
+                continue
+            written.append(_write(slug, runs, list(seeds)))
+    return written
+
+
+def _write(slug: str, runs: list[dict], seeds: list[int]) -> Path:
+    claims: dict[str, dict] = {}
+    for r in runs:
+        for c in r.get("claims", []):
+            d = claims.setdefault(c["id"], {"text": c["text"], "robust": c.get("robust", False),
+                                            "holds": [], "evidence": []})
+            d["holds"].append(c.get("holds"))
+            d["evidence"].append(c.get("evidence", {}))
+    metrics = {}
+    names = sorted({k for r in runs for k, v in r.get("metrics", {}).items() if _scalar(v)})
+    for k in names:
+        vals = [r["metrics"].get(k) for r in runs]
+        ok = [v for v in vals if _scalar(v)]
+        metrics[k] = {"mean": statistics.fmean(ok), "std": statistics.pstdev(ok) if len(ok) > 1
+                      else 0.0, "values": vals}
+    out = {"notebook": slug, "scale": "smoke", "seeds": seeds, "key": current_key(slug),
+           "recorded": time.strftime("%Y-%m-%d"),
+           "duration_s": [r.get("duration_s") for r in runs],
+           "claims": claims, "metrics": metrics}
+    results_dir().mkdir(parents=True, exist_ok=True)
+    p = path(slug)
+    p.write_text(json.dumps(out, indent=1, default=str) + "\n")
+    return p
+
+
+def load(slug: str) -> dict | None:
+    p = path(slug)
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def stale(slug: str) -> list[str]:
+    """Why the recorded results of ``slug`` no longer describe the notebook ([] when current)."""
+    d = load(slug)
+    if d is None:
+        return [f"no recorded results ({path(slug)})"]
+    now = current_key(slug)
+    why = []
+    if d["key"]["notebook"] != now["notebook"]:
+        why.append("the notebook's code cells changed since the record")
+    moved = sorted(k for k in set(now["zoo"]) | set(d["key"]["zoo"])
+                   if now["zoo"].get(k) != d["key"]["zoo"].get(k))
+    if moved:
+        why.append(f"zoo keys moved: {', '.join(moved)}")
+    return why
+
+
+# -- reading a record in a notebook ---------------------------------------------------------------
+
+@dataclass
+class Stat:
+    """A metric over the recorded seeds; formats as ``mean ± std`` (``{m:.2f}``)."""
+    mean: float
+    std: float
+    values: list = field(default_factory=list)
+
+    def __format__(self, spec: str) -> str:
+        spec = spec or ".3g"
+        return f"{self.mean:{spec}} ± {self.std:{spec}}"
+
+
+@dataclass
+class Verdict:
+    """A claim over the recorded seeds; formats as ``held/n`` (``{c}``)."""
+    text: str
+    robust: bool
+    holds: list
+
+    @property
+    def held(self) -> int:
+        return sum(1 for h in self.holds if h)
+
+    @property
+    def n(self) -> int:
+        return len(self.holds)
+
+    def __format__(self, spec: str) -> str:
+        return f"{self.held}/{self.n}"
+
+
+@dataclass
+class Recorded:
+    """A notebook's record, for templates: ``claims[C1]``, ``metrics[name]``, ``seeds``, ``n``."""
+    slug: str
+    claims: dict
+    metrics: dict
+    seeds: list
+    stale: list
+
+    @classmethod
+    def of(cls, slug: str) -> "Recorded | None":
+        d = load(slug)
+        if d is None:
+            return None
+        return cls(slug, {k: Verdict(v["text"], v["robust"], v["holds"]) for k, v in d["claims"].items()},
+                   {k: Stat(v["mean"], v["std"], v["values"]) for k, v in d["metrics"].items()},
+                   d["seeds"], stale(slug))
+
+    @property
+    def n(self) -> int:
+        return len(self.seeds)
+
+
+def _display_markdown(text: str) -> str:
+    try:
+        from IPython.display import Markdown, display
+        from IPython import get_ipython
+        if get_ipython() is not None:
+            display(Markdown(text))
+            return text
+    except ImportError:
+        pass
+    print(text)
+    return text
+
+
+def table(slug: str) -> str:
+    """The verdict table of the record as Markdown (claim, robust, per seed, held)."""
+    r = Recorded.of(slug)
+    if r is None:
+        return f"*No recorded runs of {slug} yet: `workbench run {slug} --seeds 0,1,2` " \
+               f"then `workbench report` on its folder.*"
+    head = "| claim | | robust | " + " | ".join(f"seed {s}" for s in r.seeds) + " | held |"
+    lines = [head, "|" + "---|" * (4 + r.n)]
+    for cid, v in r.claims.items():
+        marks = " | ".join("holds" if h else ("—" if h is None else "does not hold")
+                           for h in v.holds)
+        lines.append(f"| {cid} | {v.text} | {'yes' if v.robust else 'no'} | {marks} | "
+                     f"{v.held}/{v.n} |")
+    note = f"Recorded over seeds {', '.join(map(str, r.seeds))} at smoke scale " \
+           f"(`notebooks/results/{slug}.json`)."
+    if r.stale:
+        note += " **Stale:** " + "; ".join(r.stale) + "."
+    return note + "\n\n" + "\n".join(lines)
+
+
+def show(slug: str) -> str:
+    """Display the record's verdict table (Markdown in Jupyter, text elsewhere)."""
+    return _display_markdown(table(slug))
+
+
+def say(slug: str, template: str) -> str:
+    """Display ``template`` (Markdown) with its ``{claims[C1]}``, ``{metrics[name]:.2f}``,
+    ``{n}`` and ``{seeds}`` fields filled from the record; a metric the record lacks shows as
+    ``?`` rather than failing, so prose never breaks a run."""
+    r = Recorded.of(slug)
+    if r is None:
+        return _display_markdown(table(slug))
+
+    class Missing(dict):
+        def __missing__(self, k):
+            return _Unknown()
+
+    fields = {"claims": Missing(r.claims), "metrics": Missing(r.metrics), "n": r.n,
+              "seeds": ", ".join(map(str, r.seeds))}
+    return _display_markdown(template.format_map(fields))
+
+
+class _Unknown:
+    def __format__(self, spec: str) -> str:
+        return "?"
