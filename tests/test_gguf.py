@@ -70,11 +70,11 @@ def _with_block_weights(model, fn):
 
 def _gguf_py_roundtrip(qtype):
     def fn(_name, w):
-        t = Q.fallback_type(qtype, w.shape[1])
+        t = Q.gguf.fallback_type(qtype, w.shape[1])
         a = w.numpy().astype(np.float32)
         if t == "F16":
             return torch.from_numpy(a.astype(np.float16).astype(np.float32))
-        return torch.from_numpy(Q.gguf_dequantize(Q.gguf_quantize(a, t), t).reshape(w.shape))
+        return torch.from_numpy(Q.gguf.gguf_dequantize(Q.gguf.gguf_quantize(a, t), t).reshape(w.shape))
     return fn
 
 
@@ -88,7 +88,7 @@ def _logits(model, x):
 def test_llama_file_has_llama_cpp_names_keys_tokenizer_and_the_asked_types(tmp_path, tok):
     import gguf
     m = llama(tok, d=64, ff=128, layers=2, heads=4, kv=2)
-    path = Q.export_model_gguf(m, tmp_path / "m.gguf", "Q4_0", tokenizer=tok, name="tiny")
+    path = Q.gguf.export_model_gguf(m, tmp_path / "m.gguf", "Q4_0", tokenizer=tok, name="tiny")
     reader = gguf.GGUFReader(str(path))
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     per_block = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
@@ -97,7 +97,7 @@ def test_llama_file_has_llama_cpp_names_keys_tokenizer_and_the_asked_types(tmp_p
         expect.update({f"blk.{b}.{n}.weight": "Q4_0" for n in per_block})
         expect.update({f"blk.{b}.attn_norm.weight": "F32", f"blk.{b}.ffn_norm.weight": "F32"})
     assert types == expect                                   # tied head: no output.weight
-    meta = Q.gguf_metadata(path)
+    meta = Q.gguf.gguf_metadata(path)
     K = gguf.Keys
     arch = "llama"
     assert meta[K.General.ARCHITECTURE] == arch and meta[K.General.NAME] == "tiny"
@@ -124,13 +124,13 @@ def test_llama_file_has_llama_cpp_names_keys_tokenizer_and_the_asked_types(tmp_p
 
 
 def test_fallback_rule_for_rows_a_block_does_not_divide(tmp_path, tok):
-    assert Q.fallback_type("TQ2_0", 512) == "TQ2_0"
-    assert Q.fallback_type("TQ2_0", 384) == "Q4_0"           # llama.cpp: TQ -> Q4_0 -> F16
-    assert Q.fallback_type("TQ1_0", 48) == "F16"
-    assert Q.fallback_type("Q4_0", 96) == "Q4_0" and Q.fallback_type("Q8_0", 40) == "F16"
+    assert Q.gguf.fallback_type("TQ2_0", 512) == "TQ2_0"
+    assert Q.gguf.fallback_type("TQ2_0", 384) == "Q4_0"           # llama.cpp: TQ -> Q4_0 -> F16
+    assert Q.gguf.fallback_type("TQ1_0", 48) == "F16"
+    assert Q.gguf.fallback_type("Q4_0", 96) == "Q4_0" and Q.gguf.fallback_type("Q8_0", 40) == "F16"
     m = llama(tok, d=256, ff=384, layers=1)                  # ffn_down rows are 384 long
-    path = Q.export_model_gguf(m, tmp_path / "t.gguf", "TQ2_0", tokenizer=tok)
-    types = Q.tensor_types(path)
+    path = Q.gguf.export_model_gguf(m, tmp_path / "t.gguf", "TQ2_0", tokenizer=tok)
+    types = Q.gguf.tensor_types(path)
     assert types["blk.0.ffn_down.weight"] == "Q4_0"
     assert {types[f"blk.0.{n}.weight"] for n in ("attn_q", "attn_k", "attn_v", "attn_output",
                                                  "ffn_gate", "ffn_up")} == {"TQ2_0"}
@@ -141,10 +141,10 @@ def test_fallback_rule_for_rows_a_block_does_not_divide(tmp_path, tok):
 @pytest.mark.parametrize("qtype", ["F32", "Q4_0", "Q8_0", "TQ2_0", "TQ1_0"])
 def test_transformers_loads_gguf_py_quantized_llama(tmp_path, tok, qtype):
     m = llama(tok)
-    path = Q.export_model_gguf(m, tmp_path / f"{qtype}.gguf", qtype, tokenizer=tok)
-    assert {t for n, t in Q.tensor_types(path).items() if n.startswith("blk.")
+    path = Q.gguf.export_model_gguf(m, tmp_path / f"{qtype}.gguf", qtype, tokenizer=tok)
+    assert {t for n, t in Q.gguf.tensor_types(path).items() if n.startswith("blk.")
             and ("attn_" in n or "ffn_" in n) and "norm" not in n} == {qtype}
-    loaded, _ = Q.load_transformers(path)
+    loaded, _ = Q.gguf.load_transformers(path)
     expect = _with_block_weights(m, _gguf_py_roundtrip(qtype))
     x = _tokens(tok)
     assert torch.allclose(_logits(loaded, x), _logits(expect, x), atol=TF_ATOL, rtol=0)
@@ -155,17 +155,17 @@ def test_transformers_loads_gguf_py_quantized_llama(tmp_path, tok, qtype):
 @pytest.mark.parametrize("make", [qwen2, gpt2])
 def test_transformers_loads_qwen2_and_gpt2(tmp_path, tok, make):
     m = make(tok)
-    path = Q.export_model_gguf(m, tmp_path / "m.gguf", "Q8_0", tokenizer=tok)
-    types = Q.tensor_types(path)
+    path = Q.gguf.export_model_gguf(m, tmp_path / "m.gguf", "Q8_0", tokenizer=tok)
+    types = Q.gguf.tensor_types(path)
     assert all(types[n] == "F32" for n in types if n.endswith(".bias") or "norm" in n)
     assert all(types[n] == "Q8_0" for n in types if n.startswith("blk.") and n.endswith(
         ".weight") and "norm" not in n)
-    loaded, _ = Q.load_transformers(path)
+    loaded, _ = Q.gguf.load_transformers(path)
     assert type(loaded) is type(m)
     x = _tokens(tok)
     expect = _with_block_weights(m, _gguf_py_roundtrip("Q8_0"))
     assert torch.allclose(_logits(loaded, x), _logits(expect, x), atol=TF_ATOL, rtol=0)
-    back = Q.import_model_gguf(make(tok, seed=1), path)       # our reader inverts it too
+    back = Q.gguf.import_model_gguf(make(tok, seed=1), path)       # our reader inverts it too
     assert torch.allclose(_logits(back, x), _logits(expect, x), atol=TF_ATOL, rtol=0)
 
 
@@ -176,17 +176,17 @@ def test_project_codes_are_packed_bit_exactly(tmp_path, tok):
     m = llama(tok)
     codes = {n + ".weight": Q.rtn(lin.weight.detach(), 4, 64) for n, lin in
              Q.block_linears(m).items()}
-    path = Q.export_model_gguf(m, tmp_path / "c.gguf", "Q4_0", tokenizer=tok, codes=codes)
+    path = Q.gguf.export_model_gguf(m, tmp_path / "c.gguf", "Q4_0", tokenizer=tok, codes=codes)
     raw = {t.name: np.array(t.data) for t in gguf.GGUFReader(str(path)).tensors}
     qn = "model.layers.0.self_attn.v_proj.weight"           # not permuted: rows as given
     assert np.array_equal(raw["blk.0.attn_v.weight"],
-                          Q.pack_q4_0(*Q.block_codes(codes[qn], "Q4_0")))
+                          Q.gguf.pack_q4_0(*Q.gguf.block_codes(codes[qn], "Q4_0")))
     kn = "model.layers.0.self_attn.k_proj.weight"           # permuted rows, same blocks
-    perm = Q.llama_permute_rows(m.config.num_key_value_heads * 64, 2)
+    perm = Q.gguf.llama_permute_rows(m.config.num_key_value_heads * 64, 2)
     assert np.array_equal(raw["blk.0.attn_k.weight"],
-                          Q.pack_q4_0(*Q.block_codes(codes[kn], "Q4_0"))[perm])
-    loaded, _ = Q.load_transformers(path)
-    expect = _with_block_weights(m, lambda n, w: Q.stored_weight(codes[n + ".weight"], "Q4_0"))
+                          Q.gguf.pack_q4_0(*Q.gguf.block_codes(codes[kn], "Q4_0"))[perm])
+    loaded, _ = Q.gguf.load_transformers(path)
+    expect = _with_block_weights(m, lambda n, w: Q.gguf.stored_weight(codes[n + ".weight"], "Q4_0"))
     x = _tokens(tok)
     assert torch.allclose(_logits(loaded, x), _logits(expect, x), atol=TF_ATOL, rtol=0)
     # the stored model is the project's dequantized one up to fp16 scales
@@ -201,12 +201,12 @@ def test_quantlinear_model_exports_its_own_codes(tmp_path, tok):
     for name, lin in Q.block_linears(m).items():
         parent, attr = name.rsplit(".", 1)
         setattr(mods[parent], attr, Q.QuantLinear.from_linear(lin, 3, 32))
-    path = Q.export_model_gguf(q, tmp_path / "ql.gguf", "Q4_0", tokenizer=tok)
-    assert {t for n, t in Q.tensor_types(path).items() if "norm" not in n and "blk" in n} == {
+    path = Q.gguf.export_model_gguf(q, tmp_path / "ql.gguf", "Q4_0", tokenizer=tok)
+    assert {t for n, t in Q.gguf.tensor_types(path).items() if "norm" not in n and "blk" in n} == {
         "Q4_0"}
-    loaded, _ = Q.load_transformers(path)
+    loaded, _ = Q.gguf.load_transformers(path)
     qls = dict(q.named_modules())
-    expect = _with_block_weights(m, lambda n, w: Q.stored_weight(qls[n].quantized(), "Q4_0"))
+    expect = _with_block_weights(m, lambda n, w: Q.gguf.stored_weight(qls[n].quantized(), "Q4_0"))
     x = _tokens(tok)
     assert torch.allclose(_logits(loaded, x), _logits(expect, x), atol=TF_ATOL, rtol=0)
 
@@ -216,17 +216,17 @@ def test_ternary_levels_in_tq_blocks_and_the_q4_0_fallback(tmp_path, tok):
     codes = {n + ".weight": Q.ternary_quantized(lin.weight) for n, lin in
              Q.block_linears(m).items()}
     for qtype in ("TQ2_0", "TQ1_0"):
-        path = Q.export_model_gguf(m, tmp_path / f"{qtype}.gguf", qtype, tokenizer=tok,
+        path = Q.gguf.export_model_gguf(m, tmp_path / f"{qtype}.gguf", qtype, tokenizer=tok,
                                    codes=codes)
-        types = Q.tensor_types(path)
+        types = Q.gguf.tensor_types(path)
         assert types["blk.0.ffn_down.weight"] == "Q4_0" and types["blk.0.attn_q.weight"] == qtype
-        data = Q.read_gguf(path)
+        data = Q.gguf.read_gguf(path)
         v = data["blk.0.attn_v.weight"]["values"]
         g = codes["model.layers.0.self_attn.v_proj.weight"]
-        assert np.array_equal(v, Q.stored_weight(g, qtype).numpy())
+        assert np.array_equal(v, Q.gguf.stored_weight(g, qtype).numpy())
         assert set(np.unique(np.round(v / float(np.float16(g.scale[0, 0]))))) <= {-1.0, 0.0, 1.0}
-        loaded, _ = Q.load_transformers(path)
-        expect = _with_block_weights(m, lambda n, w: Q.stored_weight(codes[n + ".weight"],
+        loaded, _ = Q.gguf.load_transformers(path)
+        expect = _with_block_weights(m, lambda n, w: Q.gguf.stored_weight(codes[n + ".weight"],
                                                                      qtype))
         x = _tokens(tok)
         assert torch.allclose(_logits(loaded, x), _logits(expect, x), atol=TF_ATOL, rtol=0)
@@ -235,17 +235,17 @@ def test_ternary_levels_in_tq_blocks_and_the_q4_0_fallback(tmp_path, tok):
 def test_grids_that_do_not_fit_are_refused():
     w = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="do not fit"):                # asymmetric, zero 0:
-        Q.block_codes(Q.rtn(w.abs(), 4, 32, sym=False), "Q4_0")       # levels 0..15
+        Q.gguf.block_codes(Q.rtn(w.abs(), 4, 32, sym=False), "Q4_0")       # levels 0..15
     with pytest.raises(ValueError, match="do not tile"):
-        Q.block_codes(Q.rtn(w, 4, 16), "Q4_0")                 # two scales per block
+        Q.gguf.block_codes(Q.rtn(w, 4, 16), "Q4_0")                 # two scales per block
     q8 = Q.rtn(w, 8, 32)
     q8.codes[0, 0] = 0                                         # level -128: not a Q8_0 level
     with pytest.raises(ValueError, match="do not fit"):
-        Q.block_codes(q8, "Q8_0")
+        Q.gguf.block_codes(q8, "Q8_0")
     H = torch.eye(64) + 0.1
     with pytest.raises(ValueError, match="scattered"):
-        Q.block_codes(Q.gptq(w, H, 4, 32, actorder=True), "Q4_0")
-    lv, d = Q.block_codes(Q.rtn(w, 3, 64), "Q4_0")             # 3-bit levels fit in Q4_0
+        Q.gguf.block_codes(Q.gptq(w, H, 4, 32, actorder=True), "Q4_0")
+    lv, d = Q.gguf.block_codes(Q.rtn(w, 3, 64), "Q4_0")             # 3-bit levels fit in Q4_0
     assert lv.min() >= -4 and lv.max() <= 3 and d.shape == (8, 2)
 
 
@@ -253,17 +253,17 @@ def test_pack_tq1_0_matches_gguf_py_bytes():
     rng = np.random.default_rng(0)
     lv = rng.integers(-1, 2, size=(4, 512)).astype(np.int8)
     d = rng.uniform(0.01, 0.1, size=(4, 2)).astype(np.float16)
-    ours = Q.pack_tq1_0(lv, d)
+    ours = Q.gguf.pack_tq1_0(lv, d)
     w = lv.astype(np.float32) * np.repeat(d.astype(np.float32), 256, 1)
-    assert np.array_equal(ours, Q.gguf_quantize(w, "TQ1_0"))           # gguf-py's own bytes
-    assert np.array_equal(Q.gguf_dequantize(ours, "TQ1_0").reshape(4, 512), w)
-    assert np.array_equal(Q.pack_tq2_0(lv, d), Q.gguf_quantize(w, "TQ2_0"))
+    assert np.array_equal(ours, Q.gguf.gguf_quantize(w, "TQ1_0"))           # gguf-py's own bytes
+    assert np.array_equal(Q.gguf.gguf_dequantize(ours, "TQ1_0").reshape(4, 512), w)
+    assert np.array_equal(Q.gguf.pack_tq2_0(lv, d), Q.gguf.gguf_quantize(w, "TQ2_0"))
 
 
 def test_tokenizer_from_the_file_tokenizes_like_the_zoo_one(tmp_path, tok):
     m = llama(tok, d=64, ff=128)
-    path = Q.export_model_gguf(m, tmp_path / "m.gguf", "Q8_0", tokenizer=tok)
-    _, tt = Q.load_transformers(path)
+    path = Q.gguf.export_model_gguf(m, tmp_path / "m.gguf", "Q8_0", tokenizer=tok)
+    _, tt = Q.gguf.load_transformers(path)
     text = "\n".join(corpus.heldout_text())[:20000] + "\nQ: 123 + 45 = ? A: 168 <eos>"
     assert tt(text, add_special_tokens=False)["input_ids"] == tok(
         text, add_special_tokens=False)["input_ids"]
@@ -272,10 +272,10 @@ def test_tokenizer_from_the_file_tokenizes_like_the_zoo_one(tmp_path, tok):
 def test_export_needs_a_tokenizer_and_a_known_architecture(tmp_path, tok):
     m = llama(tok, d=64, ff=128)
     with pytest.raises(ValueError, match="tokenizer"):
-        Q.export_model_gguf(m, tmp_path / "x.gguf")
+        Q.gguf.export_model_gguf(m, tmp_path / "x.gguf")
     from transformers import BertConfig
     with pytest.raises(ValueError, match="architectures"):
-        Q.gguf_arch(BertConfig())
+        Q.gguf.gguf_arch(BertConfig())
 
 
 # -- llama.cpp ----------------------------------------------------------------------------------
@@ -288,7 +288,7 @@ LLAMA_LOGPROB_ATOL = 0.05
 LLAMA_PPL_RTOL = 0.01
 
 needs_llama = pytest.mark.skipif(
-    not Q.have_llama_cpp(),
+    not Q.gguf.have_llama_cpp(),
     reason="llama-cpp-python is not installed (optional extra: pip install -e '.[llama]'; it "
            "builds llama.cpp from source, several minutes)")
 
@@ -300,30 +300,30 @@ def test_llama_cpp_loads_the_files_and_agrees(tmp_path, tok, qtype):
     if qtype.startswith("TQ"):
         codes = {n + ".weight": Q.ternary_quantized(lin.weight) for n, lin in
                  Q.block_linears(m).items()}
-        expect = _with_block_weights(m, lambda n, w: Q.stored_weight(codes[n + ".weight"],
+        expect = _with_block_weights(m, lambda n, w: Q.gguf.stored_weight(codes[n + ".weight"],
                                                                      qtype))
     else:
         codes = None
         expect = _with_block_weights(m, _gguf_py_roundtrip(qtype))
-    path = Q.export_model_gguf(m, tmp_path / f"{qtype}.gguf", qtype, tokenizer=tok, codes=codes)
-    assert {t for n, t in Q.tensor_types(path).items() if n.startswith("blk.")
+    path = Q.gguf.export_model_gguf(m, tmp_path / f"{qtype}.gguf", qtype, tokenizer=tok, codes=codes)
+    assert {t for n, t in Q.gguf.tensor_types(path).items() if n.startswith("blk.")
             and "norm" not in n} == {qtype}
     x = _tokens(tok, n=3, t=32)
     ours = torch.log_softmax(_logits(expect, x).double(), -1)
-    theirs = torch.log_softmax(torch.from_numpy(Q.llama_cpp_logits(path, x.numpy())).double(), -1)
+    theirs = torch.log_softmax(torch.from_numpy(Q.gguf.llama_cpp_logits(path, x.numpy())).double(), -1)
     y = x[:, 1:, None]
     lp_ours, lp_theirs = ours[:, :-1].gather(-1, y), theirs[:, :-1].gather(-1, y)
     assert float((lp_ours - lp_theirs).abs().max()) < LLAMA_LOGPROB_ATOL
-    p_ours = Q.logits_perplexity(_logits(expect, x), x)
-    p_theirs = Q.logits_perplexity(Q.llama_cpp_logits(path, x.numpy()), x)
+    p_ours = Q.gguf.logits_perplexity(_logits(expect, x), x)
+    p_theirs = Q.gguf.logits_perplexity(Q.gguf.llama_cpp_logits(path, x.numpy()), x)
     assert abs(p_theirs / p_ours - 1) < LLAMA_PPL_RTOL
 
 
 @needs_llama
 def test_llama_cpp_tokenizes_like_the_zoo_tokenizer(tmp_path, tok):
     m = llama(tok, d=64, ff=128)
-    path = Q.export_model_gguf(m, tmp_path / "m.gguf", "Q8_0", tokenizer=tok)
-    llm = Q.llama_cpp_model(path, 64)
+    path = Q.gguf.export_model_gguf(m, tmp_path / "m.gguf", "Q8_0", tokenizer=tok)
+    llm = Q.gguf.llama_cpp_model(path, 64)
     text = "\n".join(corpus.heldout_text())[:20000]
     got = llm.tokenize(text.encode(), add_bos=False, special=False)
     assert got == tok(text, add_special_tokens=False)["input_ids"]

@@ -125,38 +125,38 @@ def test_ternary_absmean_and_ste():
 def test_gguf_round_trip_bit_exact(tmp_path, qtype):
     rng = np.random.default_rng(0)
     w = rng.standard_normal((8, 512)).astype(np.float32)
-    raw = Q.gguf_quantize(w, qtype)
-    path = Q.write_gguf(tmp_path / "m.gguf", {"w": (raw, qtype), "norm": w[0]},
+    raw = Q.gguf.gguf_quantize(w, qtype)
+    path = Q.gguf.write_gguf(tmp_path / "m.gguf", {"w": (raw, qtype), "norm": w[0]},
                         metadata={"bits": 4, "note": "test"})
-    back = Q.read_gguf(path)
+    back = Q.gguf.read_gguf(path)
     assert back["w"]["qtype"] == qtype and back["w"]["shape"] == (8, 512)
     assert np.array_equal(back["w"]["raw"], raw)                 # bytes are identical
-    assert np.array_equal(back["w"]["values"], Q.gguf_dequantize(raw, qtype).reshape(8, 512))
+    assert np.array_equal(back["w"]["values"], Q.gguf.gguf_dequantize(raw, qtype).reshape(8, 512))
     assert np.array_equal(back["norm"]["values"], w[0])
-    assert Q.gguf_metadata(path)["bits"] == 4
+    assert Q.gguf.gguf_metadata(path)["bits"] == 4
 
 
 def test_our_packers_match_gguf_bytes():
     rng = np.random.default_rng(1)
     w = rng.standard_normal((4, 256)).astype(np.float32)
-    raw = Q.gguf_quantize(w, "Q4_0")
-    lv, d = Q.unpack_q4_0(raw, 256)
-    assert np.array_equal(Q.pack_q4_0(lv, d), raw)
-    deq = Q.gguf_dequantize(raw, "Q4_0")
+    raw = Q.gguf.gguf_quantize(w, "Q4_0")
+    lv, d = Q.gguf.unpack_q4_0(raw, 256)
+    assert np.array_equal(Q.gguf.pack_q4_0(lv, d), raw)
+    deq = Q.gguf.gguf_dequantize(raw, "Q4_0")
     assert np.array_equal(deq, np.repeat(d.astype(np.float32), 32, 1) * lv)
-    raw8 = Q.gguf_quantize(w, "Q8_0")
+    raw8 = Q.gguf.gguf_quantize(w, "Q8_0")
     d8 = raw8.reshape(4, 8, 34)[..., :2].copy().view(np.float16)[..., 0]
     l8 = raw8.reshape(4, 8, 34)[..., 2:].copy().view(np.int8).reshape(4, 256)
-    assert np.array_equal(Q.pack_q8_0(l8, d8), raw8)
-    rawt = Q.gguf_quantize(w, "TQ2_0")
+    assert np.array_equal(Q.gguf.pack_q8_0(l8, d8), raw8)
+    rawt = Q.gguf.gguf_quantize(w, "TQ2_0")
     dt = np.abs(w).max(1).astype(np.float16)
-    lt = np.round(Q.gguf_dequantize(rawt, "TQ2_0") / dt.astype(np.float32)[:, None])
-    assert np.array_equal(Q.pack_tq2_0(lt, dt[:, None]), rawt)
+    lt = np.round(Q.gguf.gguf_dequantize(rawt, "TQ2_0") / dt.astype(np.float32)[:, None])
+    assert np.array_equal(Q.gguf.pack_tq2_0(lt, dt[:, None]), rawt)
 
 
 def test_gguf_refuses_k_quants():
     with pytest.raises(ValueError, match="cannot quantize"):
-        Q.gguf_quantize(np.zeros((1, 256), np.float32), "Q4_K")
+        Q.gguf.gguf_quantize(np.zeros((1, 256), np.float32), "Q4_K")
 
 
 def test_block_linears_are_the_block_projections_only():
@@ -178,26 +178,26 @@ def test_q3_k_writer_matches_gguf_dequantizer_bit_exactly(tmp_path):
     sc = rng.integers(-32, 32, (6, 32))
     sc[1, :2] = (-32, 31)
     d = (rng.random((6, 2)) + 0.01).astype(np.float16)
-    raw = Q.pack_q3_k(lv, sc, d)
+    raw = Q.gguf.pack_q3_k(lv, sc, d)
     assert raw.shape == (6, 2 * 110)                              # 110 bytes per 256 weights
     expect = (np.repeat(d.astype(np.float32), 256, 1) * np.repeat(sc, 16, 1) * lv).astype(np.float32)
-    assert np.array_equal(Q.gguf_dequantize(raw, "Q3_K").reshape(6, 512), expect)
-    path = Q.write_gguf(tmp_path / "k.gguf", {"w": (raw, "Q3_K")})
-    back = Q.read_gguf(path)["w"]
+    assert np.array_equal(Q.gguf.gguf_dequantize(raw, "Q3_K").reshape(6, 512), expect)
+    path = Q.gguf.write_gguf(tmp_path / "k.gguf", {"w": (raw, "Q3_K")})
+    back = Q.gguf.read_gguf(path)["w"]
     assert back["qtype"] == "Q3_K" and np.array_equal(back["raw"], raw)
     assert np.array_equal(back["values"], expect)
     with pytest.raises(ValueError, match="levels"):
-        Q.pack_q3_k(lv + 4, sc, d)
+        Q.gguf.pack_q3_k(lv + 4, sc, d)
     with pytest.raises(ValueError, match="divisible by 256"):
-        Q.pack_q3_k(lv[:, :128], sc[:, :8], d[:, :1])
+        Q.gguf.pack_q3_k(lv[:, :128], sc[:, :8], d[:, :1])
 
 
 def test_q3_k_rtn_error_is_within_half_a_step():
     rng = np.random.default_rng(2)
     w = rng.standard_normal((4, 512)).astype(np.float32)
-    lv, sc, d = Q.q3_k_params(w)
+    lv, sc, d = Q.gguf.q3_k_params(w)
     step = np.repeat(d.astype(np.float32), 256, 1) * np.repeat(sc.astype(np.float32), 16, 1)
-    w_hat = Q.gguf_dequantize(Q.gguf_quantize(w, "Q3_K"), "Q3_K").reshape(w.shape)
+    w_hat = Q.gguf.gguf_dequantize(Q.gguf.gguf_quantize(w, "Q3_K"), "Q3_K").reshape(w.shape)
     assert np.array_equal(w_hat, step * lv)
     inside = (w / step >= -4) & (w / step <= 3)                   # not clipped at the grid's ends
     assert np.all(np.abs(w - w_hat)[inside] <= step[inside] / 2 + 1e-6)
@@ -284,12 +284,12 @@ def test_quantlinear_refuses_scattered_groups():
 
 def test_q4_0_round_trip_through_quantized_is_exact():
     w = torch.randn(8, 64).numpy()
-    q = Q.q4_0_quantized(w)
-    assert torch.equal(q.dequantize(), torch.from_numpy(Q.gguf_dequantize(Q.gguf_quantize(w, "Q4_0"), "Q4_0")))
-    lv, d = Q.q4_0_codes(q)
-    assert np.array_equal(Q.pack_q4_0(lv, d), Q.gguf_quantize(w, "Q4_0"))   # the same bytes
+    q = Q.gguf.q4_0_quantized(w)
+    assert torch.equal(q.dequantize(), torch.from_numpy(Q.gguf.gguf_dequantize(Q.gguf.gguf_quantize(w, "Q4_0"), "Q4_0")))
+    lv, d = Q.gguf.q4_0_codes(q)
+    assert np.array_equal(Q.gguf.pack_q4_0(lv, d), Q.gguf.gguf_quantize(w, "Q4_0"))   # the same bytes
     with pytest.raises(ValueError, match="groups of 32"):
-        Q.q4_0_codes(Q.rtn(torch.from_numpy(w), 4, 64))
+        Q.gguf.q4_0_codes(Q.rtn(torch.from_numpy(w), 4, 64))
 def test_gptq_per_row_quantizer_is_fitted_before_dead_inputs_are_zeroed():
     """Without groups the reference fits each row's quantizer on the whole weight first, so a
     dead input's large weight still sets the row's scale (then that input is coded as 0)."""
@@ -311,7 +311,10 @@ def test_quant_package_exports_its_names_explicitly():
     assert len(Q.__all__) == len(set(Q.__all__))
     for name in Q.__all__:
         obj = getattr(Q, name)
-        assert not isinstance(obj, types.ModuleType), name      # no torch, numpy, nn, ...
-    for name in ("QuantLinear", "gptq", "rtn", "block_linears", "ternary_ste", "export_model_gguf",
-                 "HessianCollector", "pack_q4_0", "expand_groups", "levels"):
+        # no torch, numpy, nn, ...: the one module is the GGUF file format's own namespace
+        assert not isinstance(obj, types.ModuleType) or obj is Q.gguf, name
+    for name in ("QuantLinear", "gptq", "rtn", "block_linears", "ternary_ste",
+                 "HessianCollector", "expand_groups", "levels"):
         assert name in Q.__all__
+    for name in ("export_model_gguf", "pack_q4_0", "read_gguf"):      # file format: quant.gguf
+        assert name not in Q.__all__ and name in Q.gguf.__all__

@@ -9,30 +9,17 @@
   hyper-parameters and tokenizer; the project's codes packed into Q4_0/Q8_0/TQ1_0/TQ2_0
   blocks), through the ``gguf`` package, plus our Q3_K writer.
 
-Everything is re-exported here: ``from workbench import quant; quant.rtn(...)``.
+The algorithms are re-exported here (``from workbench import quant; quant.rtn(...)``); the GGUF
+file format stays under its own namespace: ``quant.gguf.export_model_gguf(...)``.
 """
-from .gguf import (ARCHS, FLOAT_TYPES, GGUF_WRITABLE, LEVEL_RANGE, QK_K, add_tokenizer,
-                   block_codes, block_size, export_model_gguf, fallback_type, gguf_arch,
-                   gguf_dequantize, gguf_metadata, gguf_quantize, have_llama_cpp,
-                   import_model_gguf, llama_cpp_logits, llama_cpp_model,
-                   llama_cpp_perplexity, llama_permute_rows,
-                   load_transformers, logits_perplexity, pack_q3_k, pack_q4_0, pack_q8_0,
-                   pack_tq1_0, pack_tq2_0, q3_k_params, q4_0_codes, q4_0_quantized, read_gguf,
-                   stored_weight, tensor_types, tokenizer_pre, unpack_q4_0, write_gguf)
+from . import gguf
 from .gptq import HessianCollector, collect_hessians, gptq, output_error
 from .grid import (Quantized, absmean_ternary, bits_per_weight, block_linears, dequantize,
                    expand_groups, levels, quantize_codes, rtn, rtn_params, ste, ternary_quantized,
                    ternary_ste)
 from .linear import QuantLinear
 
-__all__ = ["ARCHS", "FLOAT_TYPES", "GGUF_WRITABLE", "LEVEL_RANGE", "QK_K", "add_tokenizer",
-           "block_codes", "block_size", "export_model_gguf", "fallback_type", "gguf_arch",
-           "gguf_dequantize", "gguf_metadata", "gguf_quantize", "have_llama_cpp",
-           "import_model_gguf", "llama_cpp_logits", "llama_cpp_model", "llama_cpp_perplexity", "llama_permute_rows",
-           "load_transformers", "logits_perplexity", "pack_q3_k", "pack_q4_0", "pack_q8_0",
-           "pack_tq1_0", "pack_tq2_0", "q3_k_params", "q4_0_codes", "q4_0_quantized",
-           "read_gguf", "stored_weight", "tensor_types", "tokenizer_pre", "unpack_q4_0",
-           "write_gguf",
+__all__ = ["gguf",
            "HessianCollector", "collect_hessians", "gptq", "output_error",
            "Quantized", "absmean_ternary", "bits_per_weight", "block_linears", "dequantize",
            "expand_groups", "levels", "quantize_codes", "rtn", "rtn_params", "ste",

@@ -30,6 +30,15 @@ from torch import nn
 
 from .grid import Quantized
 
+__all__ = ["ARCHS", "FLOAT_TYPES", "GGUF_WRITABLE", "LEVEL_RANGE", "QK_K", "add_tokenizer",
+           "block_codes", "block_size", "export_model_gguf", "fallback_type", "gguf_arch",
+           "gguf_dequantize", "gguf_metadata", "gguf_quantize", "have_llama_cpp",
+           "import_model_gguf", "llama_cpp_logits", "llama_cpp_model", "llama_cpp_perplexity",
+           "llama_permute_rows", "load_transformers", "logits_perplexity", "pack_q3_k",
+           "pack_q4_0", "pack_q8_0", "pack_tq1_0", "pack_tq2_0", "q3_k_params", "q4_0_codes",
+           "q4_0_quantized", "read_gguf", "stored_weight", "tensor_types", "tokenizer_pre",
+           "unpack_q4_0", "write_gguf"]
+
 # -- GGUF -------------------------------------------------------------------------------------
 
 GGUF_WRITABLE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "TQ1_0", "TQ2_0")
