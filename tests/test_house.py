@@ -1,0 +1,99 @@
+"""The house rules of issue 29 for every notebook: short cells, no harness defined in a
+notebook, the paper's equations displayed, and a "What we saw" rendered from recorded runs
+(notebooks/results/<slug>.json, current with the notebook's code and the zoo), never typed."""
+import ast
+import json
+import re
+
+import pytest
+
+from workbench import results
+from workbench.notebooks import discover
+
+NOTEBOOKS = discover()
+MAX_CELL, MAX_DEF = 30, 10
+
+
+def cells(info):
+    return json.loads(info.path.read_text())["cells"]
+
+
+def source(c) -> str:
+    return "".join(c["source"])
+
+
+def long_cells(nb_cells) -> list[str]:
+    out = []
+    for i, c in enumerate(nb_cells):
+        if c["cell_type"] != "code":
+            continue
+        src = source(c)
+        n = sum(1 for line in src.splitlines() if line.strip())
+        if n > MAX_CELL:
+            out.append(f"cell {i}: {n} lines (at most {MAX_CELL}: move the harness to experiments/)")
+        code = "\n".join(line for line in src.splitlines() if not line.lstrip().startswith(("%", "!")))
+        for node in ast.walk(ast.parse(code)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                ln = node.end_lineno - node.lineno + 1
+                if ln > MAX_DEF:
+                    out.append(f"cell {i}: {node.name} is {ln} lines (a notebook defines only "
+                               f"short helpers it shows on purpose, at most {MAX_DEF})")
+    return out
+
+
+def what_we_saw(nb_cells) -> tuple[list[str], list[dict]]:
+    """The markdown of the "What we saw" section and its code cells (up to the next heading)."""
+    md, code, inside = [], [], False
+    for c in nb_cells:
+        src = source(c)
+        if c["cell_type"] == "markdown" and re.match(r"#+ ", src.lstrip()):
+            head = src.lstrip().splitlines()[0]
+            if inside and not head.lower().lstrip("# ").startswith("what we saw"):
+                break
+            inside = inside or "what we saw" in head.lower()
+        if inside:
+            (md.append(src) if c["cell_type"] == "markdown" else code.append(c))
+    return md, code
+
+
+TYPED = re.compile(r"(?<![\w.$\\{])[-+]?\d+\.\d+(?![\w}])|\d+\s?%")
+
+
+def test_the_checks_catch_what_they_look_for():
+    bad = [{"cell_type": "code", "source": ["x = 1\n"] * 31},
+           {"cell_type": "code", "source": ["def f():\n"] + ["    y = 1\n"] * 10}]
+    assert len(long_cells(bad)) == 2
+    saw = [{"cell_type": "markdown", "source": ["## What we saw\n", "C1 holds at 0.53.\n"]},
+           {"cell_type": "code", "source": ["results.show('x')\n"], "metadata": {}},
+           {"cell_type": "markdown", "source": ["## Exercises\n", "Try lr 0.5.\n"]}]
+    md, code = what_we_saw(saw)
+    assert len(md) == 1 and len(code) == 1 and TYPED.findall(md[0]) == ["0.53"]
+
+
+@pytest.mark.parametrize("info", NOTEBOOKS, ids=lambda i: i.slug)
+def test_cells_are_short_and_define_no_harness(info):
+    assert long_cells(cells(info)) == []
+
+
+@pytest.mark.parametrize("info", NOTEBOOKS, ids=lambda i: i.slug)
+def test_the_method_section_displays_an_equation(info):
+    assert any("$$" in source(c) for c in cells(info) if c["cell_type"] == "markdown"), \
+        "no display equation ($$...$$): write the paper's key equations in the method section"
+
+
+@pytest.mark.parametrize("info", NOTEBOOKS, ids=lambda i: i.slug)
+def test_what_we_saw_is_rendered_from_recorded_runs(info):
+    md, code = what_we_saw(cells(info))
+    assert md, "no 'What we saw' section"
+    shown = [c for c in code if "results" in c.get("metadata", {}).get("tags", [])
+             and f'results.show("{info.slug}")' in source(c)]
+    assert shown, f'a code cell tagged "results" must call results.show("{info.slug}")'
+    typed = [n for m in md for n in TYPED.findall(m)]
+    assert typed == [], f"numbers typed into What we saw (render them with results.say): {typed}"
+
+
+@pytest.mark.parametrize("info", NOTEBOOKS, ids=lambda i: i.slug)
+def test_recorded_results_are_current(info):
+    why = results.stale(info.slug)
+    assert why == [], (f"{info.slug}: {'; '.join(why)}. Record again: workbench run {info.slug} "
+                       f"--seeds 0,1,2 --jobs 1 --out runs/rec && workbench report runs/rec")
