@@ -197,6 +197,10 @@ def test_an_interrupted_batch_keeps_finished_jobs_and_no_half_written_result(
     assert json.loads((ok_job / "metrics.json").read_text())["claims"]
     assert not half_job.exists()
     assert all(r["notebook"] != "07-half" for r in report.collect(out))
+    # ...but the report lists it, as interrupted (issue 30: every planned job is reported)
+    report.build(out, html=False)
+    res = pd.read_csv(out / "results.csv").set_index("notebook")
+    assert (res.loc["01-ok", "status"], res.loc["07-half", "status"]) == ("ok", "interrupted")
     # its kernel did not outlive the runner
     kernel = int(pidfile.read_text())
     deadline = time.time() + 15
@@ -248,3 +252,336 @@ def test_a_half_written_metrics_json_is_not_trusted(fixture_notebooks, tmp_path,
     assert not (Path(job.out) / "metrics.json").exists()      # removed, not committed
     assert json.loads((Path(job.out) / "job.json").read_text())["status"] == "died"
     assert batch.cached_result(job) is None                    # and a resume runs it again
+
+
+# -- issue 30: batches that cannot hurt each other ----------------------------------------------
+from conftest import OK_BODY, make_notebook  # noqa: E402
+
+LIMITS_PARAMS = ('n: int = 3  # how many [1..5]\n'
+                 'lr: float = None  # learning rate (None: the default) (0..]\n'
+                 'p: float = 0.5  # a probability [0..1]\n'
+                 'mode: str = "a"  # the mode {a|b}\n')
+
+
+def _cli(tmp_path, *args):
+    return [sys.executable, "-m", "workbench.cli", *args]
+
+
+@pytest.mark.slow   # two real runners
+def test_two_runs_on_one_out_folder_cannot_hurt_each_other(fixture_notebooks, tmp_path):
+    # item 1: the second run is refused (exit 2, naming the owner); the first keeps every job
+    out = tmp_path / "out"
+    nb = make_notebook(fixture_notebooks / "09-waits.ipynb", "import time\ntime.sleep(4)\n"
+                       + OK_BODY, "x: int = 1  # a number\n")
+    first = subprocess.Popen(_cli(tmp_path, "run", str(nb), "--seeds", "0,1", "--jobs", "1",
+                                  "--out", str(out), "--timeout", "300"),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while not (out / "plan.json").exists() and time.time() < deadline:
+        assert first.poll() is None, first.stdout.read()
+        time.sleep(0.2)
+    second = subprocess.run(_cli(tmp_path, "run", str(nb), "--seeds", "0,1", "--jobs", "1",
+                                 "--out", str(out)),
+                            capture_output=True, text=True, timeout=120)
+    assert second.returncode == 2, second.stdout + second.stderr
+    assert "in use by another workbench run" in second.stderr
+    assert f"pid {first.pid}" in second.stderr and "Traceback" not in second.stderr
+    text = first.communicate(timeout=300)[0]
+    assert first.returncode == 0, text
+    res = pd.read_csv(out / "results.csv")
+    assert sorted(res["status"]) == ["ok", "ok"]
+    # once the first run is over the folder is free again (the lock died with its owner)
+    lock = batch.claim_run_dir(out)
+    lock.close()
+
+
+def test_default_run_folders_never_collide(tmp_path, monkeypatch):
+    # item 1: runs/<timestamp> had one-second resolution; two runs in one second shared it
+    monkeypatch.setattr(batch.time, "strftime", lambda fmt, *a: "20261205-120000")
+    a, lock_a = batch.new_run_dir(tmp_path)
+    b, lock_b = batch.new_run_dir(tmp_path)
+    assert a != b and a.is_dir() and b.is_dir()
+    assert [p.name for p in sorted(tmp_path.iterdir())] == ["20261205-120000",
+                                                          "20261205-120000-2"]
+    with pytest.raises(batch.RunDirError, match="in use"):
+        batch.claim_run_dir(a)              # same process, second open file: still refused
+    lock_a.close(), lock_b.close()
+
+
+def test_a_value_with_commas_is_one_value_in_brackets_or_quotes(fixture_notebooks, tmp_path):
+    # item 2: a comma always made a grid; brackets or quotes now make one value
+    echo = [i for i in discover(fixture_notebooks) if i.slug == "08-echo"]
+    one = lambda v: [j.params["text"] for j in batch.plan(   # noqa: E731
+        echo, tmp_path, raw_params={"text": batch.split_values(v)})]
+    assert one("lm-base,lm-gpt2") == ["lm-base", "lm-gpt2"]          # a grid, as before
+    assert one("[lm-base,lm-gpt2]") == ["lm-base,lm-gpt2"]           # one str, comma-joined
+    assert one('"a,b"') == ["a,b"]
+    assert one('[a,b],"c,d",e') == ["a,b", "c,d", "e"]               # a grid of three values
+    assert batch._coerce("[1, 2]", "None") == [1, 2]                 # untyped: a YAML list
+    with pytest.raises(batch.ParameterError, match="unclosed"):
+        batch.split_values("[a,b")
+    helptext = cli.parser()._subparsers._group_actions[0].choices["run"].format_help()
+    assert "Commas make a grid" in helptext and "'[lm-base,lm-gpt2]'" in helptext
+
+
+def test_duplicates_are_merged_and_distinct_parameter_sets_never_share_a_folder(
+        fixture_notebooks, tmp_path):
+    # item 3: --seeds 0,0, a notebook named three times, and cuda:0 vs cuda_0
+    infos = discover(fixture_notebooks)
+    ok, echo = infos[0], infos[7]
+    notes = []
+    jobs = batch.plan([ok, ok, ok], tmp_path, seeds=batch.parse_seeds("0,0"), notes=notes)
+    assert len(jobs) == 1 and len(notes) == 2
+    jobs = batch.plan([ok], tmp_path, raw_params={"x": ["1", "1", "2"]})
+    assert [j.params["x"] for j in jobs] == [1, 2]
+    jobs = batch.plan([echo], tmp_path, raw_params={"text": ["cuda:0", "cuda_0", "a/b", "a_b"]})
+    assert len({j.out for j in jobs}) == 4
+    assert all(Path(j.out).parent.parent == tmp_path.resolve() / "08-echo" for j in jobs)
+    # the folder of a point whose text survives as a file name is unchanged (resume works)
+    assert Path(jobs[1].out).parent.name == "smoke-text=cuda_0"
+    # the same point gets the same folder in every plan
+    again = batch.plan([echo], tmp_path, raw_params={"text": ["cuda:0"]})
+    assert again[0].out == jobs[0].out
+
+
+def test_a_broken_notebook_is_named_and_skipped(fixture_notebooks, monkeypatch, capsys):
+    # item 4: a truncated .ipynb made `workbench list` print a traceback
+    broken = fixture_notebooks / "09-broken.ipynb"
+    broken.write_text((fixture_notebooks / "01-ok.ipynb").read_text()[:200])
+    monkeypatch.setenv("WORKBENCH_HOME", str(fixture_notebooks.parent))
+    assert cli.main(["list"]) == 0
+    cap = capsys.readouterr()
+    assert "09-broken.ipynb" in cap.err and "01-ok" in cap.out and "Traceback" not in cap.err
+    assert cli.main(["run", "01-ok", "--dry-run"]) == 0
+    capsys.readouterr()
+    assert cli.main(["run", "09-broken", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "09-broken.ipynb" in err and "not a readable notebook" in err
+    assert cli.main(["run", str(broken), "--dry-run"]) == 2
+    assert "09-broken.ipynb" in capsys.readouterr().err
+
+
+def test_an_unusable_out_is_refused_in_one_line_with_exit_2(fixture_notebooks, tmp_path,
+                                                             capsys):
+    # item 5: an existing file, a folder under a file, /proc -> a one-line reason, exit 2
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    nb = str(fixture_notebooks / "01-ok.ipynb")
+    for out, why in ((afile, "is a file"), (afile / "sub", "cannot create"),
+                     (Path("/proc/out"), "cannot create")):
+        assert cli.main(["run", nb, "--out", str(out)]) == 2, out
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and why in err and len(err.strip().splitlines()) == 1
+    assert afile.read_text() == "x"
+
+
+def test_declared_limits_are_checked_before_any_job_starts(fixture_notebooks, tmp_path):
+    # item 6: a value outside the limit written at the end of the help comment is refused
+    from workbench.notebooks import parameters, parse_limit
+    nb = make_notebook(fixture_notebooks / "09-limits.ipynb", OK_BODY.replace("x=x", "x=n")
+                       .replace("x + seed", "n").replace("x > 0", "n > 0").replace("x=x", "x=n"),
+                       LIMITS_PARAMS)
+    spec = parameters(nb)
+    assert spec["n"]["limit"].text == "[1..5]" and spec["mode"]["limit"].choices == ("a", "b")
+    assert spec["lr"]["limit"].low_open and spec["lr"]["help"].startswith("learning rate")
+    (info,) = [i for i in discover(fixture_notebooks) if i.slug == "09-limits"]
+    for name, value, limit in (("n", "9", "[1..5]"), ("n", "0", "[1..5]"), ("lr", "0", "(0..]"),
+                               ("p", "1.5", "[0..1]"), ("mode", "c", "{a|b}")):
+        with pytest.raises(batch.ParameterError) as err:
+            batch.plan([info], tmp_path / "never", raw_params={name: [value]})
+        msg = str(err.value)
+        assert "09-limits" in msg and f"'{name}'" in msg and value in msg and limit in msg
+    ok = batch.plan([info], tmp_path, raw_params={"n": ["1", "5"], "lr": ["none", "1e-3"],
+                                                  "p": ["0", "1"], "mode": ["b"]})
+    assert len(ok) == 8
+    assert parse_limit("steps (None: the scale's size)") is None
+    assert parse_limit("see (1..n)") is None
+    assert parse_limit("x (0..1]").allows(1) and not parse_limit("x (0..1]").allows(0)
+    assert not (tmp_path / "never").exists()
+
+
+def test_notebook_limits_refuse_before_a_kernel_starts(tmp_path, capsys):
+    # item 6 on the real notebooks: 17 -p pattern_length 9 failed at cell 4, 12 -p steps -5
+    # deep in the notebook; both are refused by the runner now, as are negative seeds
+    out = tmp_path / "never"
+    for argv, words in ((["17-rnn-abstraction", "-p", "pattern_length", "9"],
+                         ["pattern_length", "9", "[2..6]"]),
+                        (["12-nfi", "-p", "steps", "-5"], ["steps", "-5", "[1..]"]),
+                        (["12-nfi", "-p", "lr", "0"], ["lr", "(0..]"]),
+                        (["12-nfi", "--seeds", "-1"], ["--seeds", "-1", "[0..]"])):
+        assert cli.main(["run", *argv, "--out", str(out)]) == 2, argv
+        err = capsys.readouterr().err
+        assert all(w in err for w in words) and argv[0] in err, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv,option", [(["--jobs", "0"], "--jobs"), (["--jobs", "-3"], "--jobs"),
+                                         (["--timeout", "-5"], "--timeout"),
+                                         (["--timeout", "0"], "--timeout"),
+                                         (["--timeout", "nan"], "--timeout"),
+                                         (["--retries", "-1"], "--retries")])
+def test_nonsense_runner_options_are_refused(fixture_notebooks, tmp_path, capsys, argv, option):
+    # item 7
+    with pytest.raises(SystemExit) as e:
+        cli.main(["run", str(fixture_notebooks / "01-ok.ipynb"), "--out", str(tmp_path / "o"),
+                  *argv])
+    assert e.value.code == 2
+    assert option in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_seeds_that_are_not_numbers_name_the_option(fixture_notebooks, tmp_path, capsys):
+    # item 10
+    assert cli.main(["run", str(fixture_notebooks / "01-ok.ipynb"), "--seeds", "x",
+                     "--out", str(tmp_path / "o")]) == 2
+    assert "--seeds: 'x' is not an integer" in capsys.readouterr().err
+
+
+def test_a_long_value_gets_a_short_stable_folder(fixture_notebooks, tmp_path):
+    # item 8: a 300-character value gave "File name too long" and the job vanished
+    echo = [i for i in discover(fixture_notebooks) if i.slug == "08-echo"]
+    long = "v" * 300
+    (job,) = batch.plan(echo, tmp_path, raw_params={"text": [long]})
+    name = Path(job.out).parent.name
+    assert len(name) <= batch.MAX_TAG + 6 and name.startswith("smoke-text=vvv")
+    assert batch.plan(echo, tmp_path, raw_params={"text": [long]})[0].out == job.out
+    (other,) = batch.plan(echo, tmp_path, raw_params={"text": [long + "w"]})
+    assert other.out != job.out
+    Path(job.out).mkdir(parents=True)       # the file system takes it
+
+
+def test_every_planned_job_is_in_the_report(fixture_notebooks, tmp_path):
+    # item 8: jobs that never ran (interrupted, runner killed) are listed, not dropped
+    infos = discover(fixture_notebooks)[:1]
+    jobs = batch.plan(infos, tmp_path, seeds=[0, 1, 2])
+    batch.write_plan(tmp_path, jobs, infos, "workbench run 01-ok --seeds 0,1,2")
+    stage = batch.staging_dir(jobs[0])
+    stage.mkdir(parents=True)
+    (stage / "metrics.json").write_text(json.dumps({"notebook": "01-ok", "claims": []}))
+    batch.commit(batch.JobResult(jobs[0], "ok", 1.0), stage)
+    report.build(tmp_path, html=False)
+    res = pd.read_csv(tmp_path / "results.csv")
+    assert sorted(zip(res["seed"], res["status"])) == [(0, "ok"), (1, "interrupted"),
+                                                       (2, "interrupted")]
+    assert "--resume" in res.set_index("seed").loc[1, "error"]
+
+
+@pytest.mark.slow   # papermill end to end
+def test_after_a_timeout_no_kernel_outlives_the_runner(fixture_notebooks, tmp_path):
+    # item 9: the kernel outlived its runner by 1-3 s and wrote into the staging folder after
+    # the commit; the executed notebook's out_dir named the staging folder
+    pidfile = tmp_path / "kernel.pid"
+    make_notebook(fixture_notebooks / "09-sleeps.ipynb",
+                  "import os, pathlib, time\npathlib.Path(pidfile).write_text(str(os.getpid()))\n"
+                  "print('writing to', out_dir)\ntime.sleep(120)",
+                  'pidfile: str = ""  # where the kernel writes its pid\n')
+    infos = {i.slug: i for i in discover(fixture_notebooks)}
+    jobs = batch.plan([infos["09-sleeps"]], tmp_path / "out",
+                      raw_params={"pidfile": [str(pidfile)]})
+    jobs += batch.plan([infos["01-ok"]], tmp_path / "out")
+    results = batch.run_batch(jobs, n_jobs=2, timeout=20, show_progress=False)
+    assert [r.status for r in results] == ["timeout", "ok"]
+    kernel = int(pidfile.read_text())
+    assert not Path(f"/proc/{kernel}").exists() or \
+        Path(f"/proc/{kernel}/stat").read_text().split(")")[1].split()[0] == "Z"
+    time.sleep(3)
+    assert not list((tmp_path / "out").rglob("*.partial*"))
+    assert "cell 3: import os, pathlib, time ... (running)" == results[0].error_cell
+    for r in results:
+        final = Path(r.job.out)
+        nb_text = (final / f"{r.job.slug}.ipynb").read_text()
+        assert ".partial" not in nb_text and ".partial" not in (final / "log.txt").read_text()
+        injected = next(c for c in json.loads(nb_text)["cells"]
+                        if "injected-parameters" in c["metadata"].get("tags", []))
+        assert f'out_dir = "{final}"' in "".join(injected["source"])
+    # what the notebooks printed names the final folder too (the log, the executed notebook)
+    assert f"writing to {results[0].job.out}" in (Path(results[0].job.out) / "log.txt").read_text()
+    assert f"out={results[1].job.out}" in (Path(results[1].job.out) / "01-ok.ipynb").read_text()
+
+
+@pytest.mark.slow   # papermill end to end
+def test_a_dead_kernel_names_the_cell_it_was_running(fixture_notebooks, tmp_path):
+    # item 10: a job whose kernel died did not say which cell was running
+    (job,) = batch.plan([i for i in discover(fixture_notebooks) if i.slug == "04-dies"], tmp_path)
+    (r,) = batch.run_batch([job], n_jobs=1, timeout=120, show_progress=False)
+    assert r.status == "died" and r.error_cell == "cell 3: import os, signal ... (running)"
+    assert "cell 3: import os, signal" in batch.summary_table([r])
+
+
+@pytest.mark.slow   # a Dask cluster and a real runner
+def test_dask_stops_on_ctrl_c_when_sigint_was_inherited_ignored(fixture_notebooks, tmp_path):
+    # item 10: started with SIGINT ignored (`cmd &` in a script), the Dask executor went on
+    pytest.importorskip("distributed")
+    pidfile = tmp_path / "kernel.pid"
+    proc = subprocess.Popen(
+        _cli(tmp_path, "run", str(fixture_notebooks / "07-half.ipynb"), "--executor", "dask",
+             "--jobs", "1", "--out", str(tmp_path / "out"), "--timeout", "300"),
+        env=dict(os.environ, WB_TEST_HANG=str(pidfile)), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    deadline = time.time() + 180
+    while not pidfile.exists() and time.time() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    try:
+        text = proc.communicate(timeout=90)[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError("the runner ignored Ctrl-C")
+    assert proc.returncode == 130, text
+
+
+def test_dashboard_is_named_only_when_it_is_served(monkeypatch):
+    # item 10: without bokeh nothing listens on the dashboard address
+    import importlib.util
+
+    class Client:
+        dashboard_link = "http://127.0.0.1:8787/status"
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "bokeh" else real(name, *a))
+    assert cli._dashboard_link(Client()) is None
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    assert cli._dashboard_link(Client()) == Client.dashboard_link
+
+
+def test_progress_names_the_running_cell_and_the_live_log(fixture_notebooks, tmp_path):
+    # a long --jobs 1 run showed 0/1 for its whole length
+    (job,) = batch.plan(discover(fixture_notebooks)[:1], tmp_path)
+    stage = batch.staging_dir(job)
+    stage.mkdir(parents=True)
+    (stage / "log.txt").write_text("Executing notebook\nExecuting Cell 2----\nExecuting Cell 3---\n")
+    said = []
+    with batch._running_lock:
+        batch._running[1] = (job, stage, time.time())
+    try:
+        assert batch.running_progress(set(), said.append) == "01-ok seed 0: cell 3/4"
+    finally:
+        batch._running.pop(1)
+    assert said == [f"started 01-ok smoke seed 0; live log: {stage / 'log.txt'}"]
+
+
+def test_run_help_and_dry_run(fixture_notebooks, tmp_path, capsys):
+    helptext = cli.parser()._subparsers._group_actions[0].choices["run"].format_help()
+    for words in ("examples:", "--dry-run", "smoke (CPU", "live log", "Exit status"):
+        assert words in helptext
+    out = tmp_path / "o"
+    assert cli.main(["run", str(fixture_notebooks / "01-ok.ipynb"), "-p", "x", "1,2",
+                     "--seeds", "0,1", "--dry-run", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "4 job(s)" in text and "01-ok/smoke-x=2/seed-1" in text
+    assert not out.exists()
+
+
+def test_list_fits_100_columns_and_reads_a_chosen_run_folder(tmp_path, capsys):
+    d = tmp_path / "myrun" / "12-nfi" / "smoke" / "seed-3"
+    d.mkdir(parents=True)
+    (d / "metrics.json").write_text(json.dumps({"scale": "smoke", "seed": 3, "claims": [
+        {"id": "C1", "holds": True}, {"id": "C2", "holds": False}]}))
+    assert cli.main(["list", "--runs", str(tmp_path / "myrun")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(len(ln) for ln in lines) <= 100
+    (nfi,) = [ln for ln in lines if " 12-nfi " in ln]
+    assert "1/2 hold, smoke s3" in nfi
+    assert cli.main(["list", "--runs", str(tmp_path / "nothing")]) == 2

@@ -72,3 +72,39 @@ def test_every_string_from_a_notebook_is_escaped(tmp_path):
 def test_report_of_a_missing_directory_says_what_to_give(tmp_path):
     with pytest.raises(FileNotFoundError, match="--out directory"):
         report.build(tmp_path / "nothing")
+
+
+def test_a_truncated_metrics_json_is_not_ok(tmp_path):
+    # issue 30 item 10: job.json said ok, metrics.json was cut short, and the report said ok
+    d = _job(tmp_path, "12-nfi", {}, 0, {"loss": 1.0}, [])
+    (d / "metrics.json").write_text('{"notebook": "12-nfi", "metr')
+    _job(tmp_path, "12-nfi", {}, 1, {"loss": 1.0}, [])
+    (rec0, rec1) = sorted(report.collect(tmp_path), key=lambda r: r["seed"])
+    assert rec0["status"] == "failed" and "not readable" in rec0["error"]
+    assert rec1["status"] == "ok"
+
+
+def test_report_of_an_empty_folder_says_so(tmp_path, capsys):
+    # issue 30 item 10: `workbench report` exited 0 on an empty folder without a word
+    from workbench import cli
+    assert cli.main(["report", str(tmp_path)]) == 2
+    assert "holds no results" in capsys.readouterr().err
+    assert not (tmp_path / "index.html").exists()
+
+
+def test_report_names_date_commit_titles_and_explains_its_columns(tmp_path):
+    # issue 30: the report names the run's date, commit and titles; seed columns read "seed 0"
+    from workbench import batch
+    from workbench.notebooks import NotebookInfo
+    c = [{"id": "C1", "text": "t", "holds": True, "robust": False}]
+    d = _job(tmp_path, "12-nfi", {}, 0, {"loss": 1.0}, c)
+    (d / "env.json").write_text(json.dumps({"git": {"commit": "abcdef0123456789", "dirty": True}}))
+    info = NotebookInfo("12", "12-nfi", tmp_path / "12-nfi.ipynb", "Numerical Feature Inflation")
+    plan = {"started": "2026-12-05 06:00:00 +0000", "command": "workbench run 12-nfi",
+            "git": {"commit": None}, "titles": {info.slug: info.title}, "jobs": []}
+    (tmp_path / batch.PLAN_NAME).write_text(json.dumps(plan))
+    page = report.build(tmp_path, html=False).read_text()
+    assert "started 2026-12-05 06:00:00" in page and "<code>abcdef0123</code>" in page
+    assert "uncommitted changes" in page and "12-nfi: Numerical Feature Inflation" in page
+    assert "<th>seed 0</th>" in page and "- · seed 0" not in page
+    assert "job time (s)" in page and "notebook time (s)" in page and "run.finish()" in page

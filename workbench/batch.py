@@ -141,17 +141,21 @@ def _coerce(raw: str, type_name: str):
     return yaml.safe_load(raw)
 
 
-def check_limit(info: NotebookInfo, name: str, value, spec: dict, shown: str | None = None
+def check_limit(info: NotebookInfo, name: str, value, spec: dict, subject: str | None = None
                 ) -> None:
     """:class:`ParameterError` when ``value`` breaks the limit declared at the end of the
-    parameter's help comment (None passes where the default is None)."""
+    parameter's help comment (None passes where the default is None). ``subject``: how the
+    message names the value (default ``parameter 'NAME' = VALUE``)."""
     limit = spec.get("limit")
     if limit is None or (value is None and spec.get("default") == "None"):
         return
     if value is None or not limit.allows(value):
+        subject = subject or f"parameter '{name}' = {value!r}"
+        about = spec.get("help", "").rstrip()
+        about = about[: -len(limit.text)].rstrip() if about.endswith(limit.text) else about
         raise ParameterError(
-            f"{info.slug}: {shown or 'parameter'} '{name}' = {value!r} is outside its limit "
-            f"{limit.text} ({limit.describe()}): {spec.get('help', '')}")
+            f"{info.slug}: {subject} is outside its limit {limit.text} ({limit.describe()})"
+            + (f"; {name}: {about}" if about else ""))
 
 
 def validate_params(info: NotebookInfo, raw: dict[str, list[str]], seeds=(),
@@ -166,9 +170,9 @@ def validate_params(info: NotebookInfo, raw: dict[str, list[str]], seeds=(),
         raise ParameterError(str(e)) from None
     for seed in seeds:
         if "seed" in spec:
-            check_limit(info, "seed", seed, spec["seed"], "--seeds: seed")
+            check_limit(info, "seed", seed, spec["seed"], f"--seeds: seed {seed}")
     if scale is not None and "scale" in spec:
-        check_limit(info, "scale", scale, spec["scale"], "--scale:")
+        check_limit(info, "scale", scale, spec["scale"], f"--scale {scale}")
     typed = {}
     for name, values in raw.items():
         if name in RESERVED:
@@ -187,7 +191,7 @@ def validate_params(info: NotebookInfo, raw: dict[str, list[str]], seeds=(),
                 raise ParameterError(
                     f"{info.slug}: parameter '{name}' expects {spec[name]['type']} "
                     f"(default {spec[name]['default']}), got {v!r} ({e})") from None
-            check_limit(info, name, value, spec[name], "-p")
+            check_limit(info, name, value, spec[name])
             out.append(value)
         typed[name] = out
     return typed
@@ -306,7 +310,9 @@ def plan(notebooks: list[NotebookInfo], out: Path, scale: str = "smoke",
     for info in notebooks:
         key = str(Path(info.path).resolve())
         if key in seen_nb:
-            notes.append(f"{info.slug} was named more than once: planned once")
+            note = f"{info.slug} was named more than once: planned once"
+            if note not in notes:
+                notes.append(note)
         else:
             seen_nb[key] = info
     uniq_seeds = list(dict.fromkeys(int(s) for s in seeds))
@@ -647,7 +653,7 @@ def execute(notebook: Path, workdir: Path, slug: str, params: dict, timeout: flo
         metrics = None
     except ValueError:
         metrics = False         # there but not JSON: cut short while writing
-    cell, exc = error_cell(workdir / f"{slug}.ipynb", running=True)
+    cell, exc = error_cell(workdir / f"{slug}.ipynb")
     if timed_out or "CellTimeoutError" in text or "Cell execution timed out" in text:
         status, error = "timeout", f"exceeded the {timeout:g} s limit"
     elif rc == 0 and isinstance(metrics, dict):
@@ -659,6 +665,8 @@ def execute(notebook: Path, workdir: Path, slug: str, params: dict, timeout: flo
         status, error = "died", _last_error(text) or f"killed by signal {-rc}"
     else:
         status, error = "failed", exc or _last_error(text)
+    if status in ("died", "timeout") and not cell:     # stopped mid-cell: which one
+        cell = error_cell(workdir / f"{slug}.ipynb", running=True)[0]
     if status != "ok":
         metrics_path.unlink(missing_ok=True)
     claims = metrics.get("claims", []) if status == "ok" else []
