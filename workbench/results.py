@@ -19,6 +19,7 @@ import hashlib
 import json
 import math
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,7 @@ from pathlib import Path
 from .env import project_root
 
 __all__ = ["SEEDS", "results_dir", "path", "notebook_key", "zoo_keys", "current_key", "record",
-           "load", "stale", "Recorded", "show", "say"]
+           "load", "stale", "Recorded", "table", "show", "say", "findings", "main"]
 
 SEEDS = (0, 1, 2)           # the seeds a recorded result covers
 RESULTS_TAG = "results"     # a code cell tagged so shows recorded results: not part of the key
@@ -255,3 +256,43 @@ def say(slug: str, template: str) -> str:
 class _Unknown:
     def __format__(self, spec: str) -> str:
         return "?"
+
+
+def findings() -> str:
+    """docs/findings.md: every notebook's recorded verdict table, in notebook order
+    (``python -m workbench.results findings > docs/findings.md``; a test keeps it current)."""
+    nbs = sorted(p.stem for p in (project_root() / "notebooks").glob("[0-9][0-9]-*.ipynb"))
+    out = ["# Findings: what each notebook measured, claim by claim", "",
+           "Rendered from the recorded runs in `notebooks/results/` (seeds 0-2, smoke scale) by",
+           "`python -m workbench.results findings`; never edited by hand. A claim that is not",
+           "robust may fail at smoke scale; [decisions.md](decisions.md) says why for each one",
+           "the specs expected to hold. The readings are in each notebook's \"What we saw\".", ""]
+    for slug in nbs:
+        out += [f"## {slug}", "", table(slug), ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def main(argv=None) -> int:
+    """``python -m workbench.results findings`` | ``record RUN_DIR`` | ``stale``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["findings"]:
+        sys.stdout.write(findings())
+        return 0
+    if args[:1] == ["record"] and len(args) == 2:
+        for p in record(Path(args[1])):
+            print(f"recorded {p}")
+        return 0
+    if args[:1] == ["stale"]:
+        bad = 0
+        for nb in sorted((project_root() / "notebooks").glob("[0-9][0-9]-*.ipynb")):
+            why = stale(nb.stem)
+            if why:
+                bad += 1
+                print(f"{nb.stem}: {'; '.join(why)}")
+        return 1 if bad else 0
+    print("usage: python -m workbench.results findings | record RUN_DIR | stale", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Recorded results (workbench.results) and the run comparison (workbench.compare)."""
+import json
+from pathlib import Path
+
+import pytest
+
+from workbench import compare, results
+
+
+def notebook(root: Path, slug: str, code: str, md: str = "# title") -> Path:
+    nb = {"cells": [{"cell_type": "markdown", "id": "a", "metadata": {}, "source": [md]},
+                    {"cell_type": "code", "id": "b", "metadata": {}, "source": [code],
+                     "outputs": [], "execution_count": None},
+                    {"cell_type": "code", "id": "c", "metadata": {"tags": ["results"]},
+                     "source": [f'results.show("{slug}")'], "outputs": [], "execution_count": None}],
+          "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    p = root / "notebooks" / f"{slug}.ipynb"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(nb))
+    return p
+
+
+def job(run: Path, slug: str, seed: int, acc: float, holds: bool, status="ok", params="smoke"):
+    d = run / slug / params / f"seed-{seed}"
+    d.mkdir(parents=True)
+    (d / "metrics.json").write_text(json.dumps({
+        "notebook": slug, "seed": seed, "duration_s": 10.0 + seed,
+        "metrics": {"acc": acc, "train_s": 3.0 * seed, "curve": [acc, acc / 2]},
+        "claims": [{"id": "C1", "text": "acc is high", "holds": holds, "robust": True,
+                    "evidence": {"acc": acc}}]}))
+    (d / "job.json").write_text(json.dumps({"status": status}))
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_HOME", str(tmp_path))
+    notebook(tmp_path, "99-demo", "x = 1\n")
+    return tmp_path
+
+
+def test_record_aggregates_the_seeds_and_stale_follows_the_code(project):
+    run = project / "runs"
+    for s, (a, h) in enumerate([(0.5, True), (0.7, True), (0.9, False)]):
+        job(run, "99-demo", s, a, h)
+    assert results.stale("99-demo") == [f"no recorded results ({results.path('99-demo')})"]
+    assert results.record(run) == [results.path("99-demo")]
+    d = results.load("99-demo")
+    assert d["claims"]["C1"]["holds"] == [True, True, False]
+    assert d["metrics"]["acc"]["mean"] == pytest.approx(0.7)
+    assert d["metrics"]["acc"]["values"] == [0.5, 0.7, 0.9]
+    assert results.stale("99-demo") == []
+    # prose and the results cell may change; code may not
+    notebook(project, "99-demo", "x = 1\n", md="# another title")
+    assert results.stale("99-demo") == []
+    notebook(project, "99-demo", "x = 2\n")
+    assert results.stale("99-demo") == ["the notebook's code cells changed since the record"]
+
+
+def test_a_failed_or_missing_seed_records_nothing(project):
+    run = project / "runs"
+    job(run, "99-demo", 0, 0.5, True)
+    job(run, "99-demo", 1, 0.5, True, status="failed")
+    job(run, "99-demo", 2, 0.5, True)
+    assert results.record(run) == [] and results.load("99-demo") is None
+
+
+def test_say_fills_numbers_from_the_record(project, capsys):
+    run = project / "runs"
+    for s, (a, h) in enumerate([(0.5, True), (0.7, True), (0.9, False)]):
+        job(run, "99-demo", s, a, h)
+    results.record(run)
+    text = results.say("99-demo", "C1 holds on {claims[C1]} seeds; acc {metrics[acc]:.2f}, "
+                                  "{metrics[nope]:.2f} over seeds {seeds}.")
+    assert text == "C1 holds on 2/3 seeds; acc 0.70 ± 0.16, ? over seeds 0, 1, 2."
+    table = results.table("99-demo")
+    assert "| C1 | acc is high | yes | holds | holds | does not hold | 2/3 |" in table
+
+
+def test_findings_page_is_current():
+    page = Path(__file__).parents[1] / "docs" / "findings.md"
+    assert page.read_text() == results.findings(), \
+        "docs/findings.md is stale: python -m workbench.results findings > docs/findings.md"
+
+
+def test_compare_reports_moved_metrics_and_verdicts_not_timings(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    job(a, "99-demo", 0, 0.5, True)
+    job(b, "99-demo", 0, 0.5, True)
+    (b / "99-demo/smoke/seed-0/metrics.json").write_text(
+        (b / "99-demo/smoke/seed-0/metrics.json").read_text().replace('"train_s": 0.0',
+                                                                      '"train_s": 9.0'))
+    assert compare.compare(a, b) == ([], 1)               # a timing moved: nothing to report
+    job(b, "99-demo", 1, 0.5, True)
+    lines, n = compare.compare(a, b)
+    assert n == 1 and lines == ["99-demo/smoke/seed-1: only in after"]
+    c = tmp_path / "c"
+    job(c, "99-demo", 0, 0.5000001, False)
+    lines, _ = compare.compare(a, c)
+    assert "99-demo/smoke/seed-0: claim C1: holds True -> False" in lines
+    assert any(line.startswith("99-demo/smoke/seed-0: metric acc: 0.5 -> 0.5000001")
+               for line in lines)
+    assert any("metric curve.1" in line for line in lines)
+    assert compare.compare(a, c, tol=1e-3)[0] == ["99-demo/smoke/seed-0: claim C1: holds True -> False"]
+    assert compare.main([str(a), str(a)]) == 0 and compare.main([str(a), str(c)]) == 1
