@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workbench.data import classification
 from workbench.methods import nfi
 
 
@@ -99,47 +98,7 @@ def test_zero_sum_gradient_matches_float64_reference():
     torch.testing.assert_close(z.grad.double(), ref, rtol=1e-5, atol=1e-9)
 
 
-# -- spikes and growth ---------------------------------------------------------------------------
-def test_spike_detector_on_synthetic_loss_curve():
-    t = np.arange(2000)
-    loss = 2.0 * np.exp(-t / 60.0) + 1e-9        # a smooth fit down to a floor
-    loss[1200:1500] = 0.0                        # exactly zero, as when every sample is absorbed
-    for k, h in [(600, 0.5), (1000, 3.0), (1520, 0.05)]:
-        loss[k:k + 30] = h * np.exp(-np.arange(30) / 5.0)   # spike and fast recovery
-    loss[1010] *= 0.5                            # a ragged peak still counts once
-    spikes = nfi.detect_spikes(loss, window=50)
-    assert spikes.tolist() == [600, 1000, 1520]
-    assert nfi.detect_spikes(2.0 * np.exp(-t / 60.0)).size == 0    # a plain decay has none
-    assert nfi.detect_spikes(loss, min_loss=0.1).tolist() == [600, 1000]
-
-
-def test_growth_fit_and_window():
-    s = np.arange(100)
-    fit = nfi.growth_fit(s, 0.5 * np.exp(0.03 * s))
-    assert fit["rate"] == pytest.approx(0.03) and fit["r2"] == pytest.approx(1.0)
-    assert fit["r2"] > fit["linear_r2"] and fit["factor"] == pytest.approx(math.exp(2.97))
-    absorbed = np.r_[np.zeros(10), np.linspace(0.2, 1.0, 40), np.ones(50)]
-    assert nfi.inflation_window(absorbed, spikes=[5, 70]) == (int(np.argmax(absorbed >= 0.5)), 70)
-    assert nfi.inflation_window(absorbed) == (int(np.argmax(absorbed >= 0.5)), 100)
-    assert nfi.inflation_window(np.zeros(10)) is None
-
-
 def test_global_means():
     w = torch.tensor([[1.0, 2.0], [3.0, -2.0]])
     assert nfi.classifier_mean_norm(w).item() == pytest.approx(2.0)
     assert nfi.feature_mean_norm(torch.ones(5, 4)).item() == pytest.approx(2.0)
-
-
-# -- the trainer ---------------------------------------------------------------------------------
-def test_trainer_variants_start_identical_and_track_everything():
-    task = classification.modular_addition(p=7, train_frac=0.6, seed=0)
-    cfg = nfi.TrainConfig(steps=5, hidden=16, eval_every=2)
-    init = nfi.init_model(task, cfg, seed=0)
-    runs = {v: nfi.train(task, cfg, v, init) for v in nfi.VARIANTS}
-    for tr in runs.values():
-        assert set(nfi.TRACKED) <= set(tr.series) and len(tr.steps) == 5
-        assert np.isnan(tr["test_acc"][1]) and np.isfinite(tr["test_acc"][[0, 2, 4]]).all()
-    first = {v: tr["loss"][0] for v, tr in runs.items()}
-    assert first["float32"] == first["zero_sum"] == pytest.approx(first["float64"], rel=1e-6)
-    with pytest.raises(ValueError):
-        nfi.train(task, cfg, "float16")

@@ -13,28 +13,30 @@ link lives here:
    :func:`collapsed_mask` (Prieto et al. 2025's "softmax collapse").
 3. *Drift and feedback.* All classifier rows then move against the feature mean, and the features
    against the classifier mean: the two global means feed each other and grow exponentially.
-   :func:`classifier_mean_norm`, :func:`feature_mean_norm`, :func:`train`.
+   :func:`classifier_mean_norm`, :func:`feature_mean_norm`.
 4. *The fix that isolates the cause.* Recompute the correct-class gradient as minus the sum of the
    others: :class:`ZeroSumCrossEntropy`. Training in float64 moves the threshold far out instead.
-5. *Slingshot.* The drift ends in a loss spike that brings gradients back: :func:`detect_spikes`.
+
+The training runs that show the drift and the Slingshot spike it ends in (the instrumented
+trainer, the spike detector, the growth fits) are the notebook's harness:
+:mod:`workbench.experiments.nfi`.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.utils import get_total_norm
 
-from workbench.data.classification import Task
-from workbench.diagnostics import Tracker, growth_rate
+__all__ = ["DTYPES", "DEFAULT_GAPS", "as_dtype", "absorption_threshold", "gap_logits",
+           "ce_logit_grad", "gap_sweep", "measured_threshold", "underflow_gap", "gap_resolution",
+           "threshold_report", "absorbed_mask", "collapsed_mask", "absorbed_fraction",
+           "collapse_fraction", "logit_gaps", "ZeroSumCrossEntropy", "zero_sum_cross_entropy",
+           "classifier_mean_norm", "feature_mean_norm"]
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16,
           "float32": torch.float32, "float64": torch.float64}
-VARIANTS = ("float32", "float64", "zero_sum")   # zero_sum: float32 with ZeroSumCrossEntropy
 DEFAULT_GAPS = np.arange(0.0, 45.0, 1e-3)       # the sweep: past float64's threshold (36.7)
 
 
@@ -203,7 +205,7 @@ def zero_sum_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch
     return ZeroSumCrossEntropy.apply(logits, targets)
 
 
-# -- the two global means, and how they grow -----------------------------------------------------
+# -- the two global means ------------------------------------------------------------------------
 def classifier_mean_norm(weight: torch.Tensor) -> torch.Tensor:
     """||(1/C) sum_c w_c|| (a 0-d tensor) for a classifier weight of shape (classes, features).
     The softmax is blind to this direction (it adds w_mean . h to every logit), so only a broken
@@ -214,139 +216,3 @@ def classifier_mean_norm(weight: torch.Tensor) -> torch.Tensor:
 def feature_mean_norm(features: torch.Tensor) -> torch.Tensor:
     """||(1/N) sum_n h_n|| (a 0-d tensor) for penultimate features of shape (samples, features)."""
     return features.detach().mean(0).norm()
-
-
-def growth_fit(steps, values) -> dict[str, float]:
-    """How a tracked norm grew over a window: ``factor`` (last / first), ``rate`` and ``r2`` of the
-    exponential fit (:func:`workbench.diagnostics.growth_rate`, a line on a log axis) and
-    ``linear_r2``, the R^2 of a straight line on a linear axis, for comparison."""
-    s, v = np.asarray(steps, float), np.asarray(values, float)
-    rate, r2 = growth_rate(s, v)
-    lin_r2 = float(np.corrcoef(s, v)[0, 1] ** 2) if len(s) > 2 and v.std() > 0 else float("nan")
-    return {"factor": float(v[-1] / v[0]), "rate": rate, "r2": r2, "linear_r2": lin_r2}
-
-
-def inflation_window(absorbed, spikes=(), level: float = 0.5) -> tuple[int, int] | None:
-    """Steps [start, end) where absorbed samples dominate: from the first step with an absorbed
-    fraction >= ``level`` up to the first spike after it (or the end); None if never reached."""
-    absorbed = np.asarray(absorbed)
-    hit = np.flatnonzero(absorbed >= level)
-    if not len(hit):
-        return None
-    start = int(hit[0])
-    later = [int(k) for k in spikes if k > start]
-    return start, (later[0] if later else len(absorbed))
-
-
-# -- loss spikes ---------------------------------------------------------------------------------
-def detect_spikes(loss, window: int = 50, min_rise: float = 2.0, min_loss: float = 1e-3,
-                  floor: float = 1e-12) -> np.ndarray:
-    """Indices of loss spikes: the peak of each run of steps where the loss is at least
-    ``min_rise`` decades above its minimum over the preceding ``window`` steps and at least
-    ``min_loss``. Zeros (a fully absorbed float32 loss is exactly 0) count as ``floor``.
-
-    Flagged steps closer than ``window`` merge into one spike, so a ragged spike counts once.
-    """
-    raw = np.asarray(loss, float)
-    y = np.log10(np.maximum(np.nan_to_num(raw, nan=floor), floor))
-    if len(y) < 2:
-        return np.zeros(0, int)
-    padded = np.concatenate([np.full(window - 1, np.inf), y[:-1]])
-    base = np.lib.stride_tricks.sliding_window_view(padded, window).min(1)   # [t-1]: min y[t-w:t]
-    flagged = np.flatnonzero((y[1:] - base >= min_rise) & (raw[1:] >= min_loss)) + 1
-    if not len(flagged):
-        return np.zeros(0, int)
-    runs = np.split(flagged, np.flatnonzero(np.diff(flagged) > window) + 1)
-    return np.asarray([r[0] + int(np.argmax(y[r[0]:r[-1] + 1])) for r in runs], int)
-
-
-# -- model and trainer ---------------------------------------------------------------------------
-class MLP(nn.Module):
-    """ReLU MLP without biases (as in Prieto et al.'s grokking MLP); ``forward`` returns
-    (logits, penultimate features) so the feature mean is tracked without a second pass."""
-
-    def __init__(self, d_in: int, hidden: int, depth: int, num_classes: int):
-        super().__init__()
-        dims = [d_in] + [hidden] * depth
-        self.body = nn.Sequential(*[m for i in range(depth) for m in
-                                    (nn.Linear(dims[i], dims[i + 1], bias=False), nn.ReLU())])
-        self.head = nn.Linear(hidden, num_classes, bias=False)
-
-    def forward(self, x):
-        h = self.body(x)
-        return self.head(h), h
-
-
-@dataclass
-class TrainConfig:
-    """Settings of one training run (full batch, Adam, no weight decay, no regularizer)."""
-    steps: int = 1500           # optimizer steps (= epochs: full batch)
-    lr: float = 1e-2            # Adam learning rate; large, so the fit and the gap growth are fast
-    hidden: int = 64            # width of each hidden layer
-    depth: int = 2              # hidden layers
-    beta2: float = 0.98         # Adam beta2 (beta1 = 0.9), as in Prieto et al.
-    adam_eps: float = 1e-8      # Adam epsilon (PyTorch's default)
-    eval_every: int = 1         # test accuracy every this many steps (NaN in between)
-    fused_adam: bool = True     # Adam's fused kernel (CPU, CUDA): the same update, fewer ops
-
-
-TRACKED = ("loss", "train_acc", "test_acc", "absorbed", "collapse", "gap_max", "gap_min",
-           "cls_mean", "feat_mean", "cls_mean_grad", "grad_norm", "param_norm")
-
-
-def init_model(task: Task, cfg: TrainConfig, seed: int) -> dict:
-    """The initial weights every variant starts from: one float32 MLP drawn from ``seed``."""
-    torch.manual_seed(seed)
-    return MLP(task.x_train.shape[1], cfg.hidden, cfg.depth, task.num_classes).state_dict()
-
-
-def train(task: Task, cfg: TrainConfig, variant: str = "float32", init: dict | None = None,
-          seed: int = 0, device="cpu", progress=None) -> Tracker:
-    """Train one variant full batch; track at every step, from the step's own forward/backward:
-
-    ``loss``, ``train_acc``, ``test_acc``; ``absorbed`` (fraction of training samples whose
-    correct-class gradient, as used in the update, is exactly 0) and ``collapse`` (Prieto et al.);
-    ``gap_max``, ``gap_min`` (of z_y - max_{c != y} z_c); ``cls_mean``, ``feat_mean`` (the two
-    global means); ``cls_mean_grad`` (||mean_c grad w_c||, ~0 while zero-sum holds);
-    ``grad_norm`` and ``param_norm`` (over all parameters). Everything is measured before the
-    step's update.
-
-    ``variant``: "float32", "float64" (model and data in float64) or "zero_sum" (float32 with
-    :class:`ZeroSumCrossEntropy`). Pass the same ``init`` (see :func:`init_model`) to compare
-    variants from identical weights: the float32 values are exact in float64.
-    """
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-    dtype = torch.float64 if variant == "float64" else torch.float32
-    loss_fn = zero_sum_cross_entropy if variant == "zero_sum" else F.cross_entropy
-    model = MLP(task.x_train.shape[1], cfg.hidden, cfg.depth, task.num_classes)
-    model.load_state_dict(init if init is not None else init_model(task, cfg, seed))
-    model.to(device=device, dtype=dtype)
-    params = list(model.parameters())
-    opt = torch.optim.Adam(params, lr=cfg.lr, betas=(0.9, cfg.beta2), eps=cfg.adam_eps,
-                           weight_decay=0.0, fused=cfg.fused_adam)
-    x, y = task.x_train.to(device, dtype), task.y_train.to(device)
-    xt, yt = task.x_test.to(device, dtype), task.y_test.to(device)
-    nan = torch.tensor(float("nan"), dtype=dtype, device=device)
-    tr = Tracker()
-    steps = range(cfg.steps) if progress is None else progress(range(cfg.steps))
-    for step in steps:
-        logits, feats = model(x)
-        logits.retain_grad()
-        loss = loss_fn(logits, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        with torch.no_grad():             # all from this step's tensors, one device sync
-            gap_min, gap_max = torch.aminmax(logit_gaps(logits, y))
-            test_acc = ((model(xt)[0].argmax(1) == yt).to(dtype).mean()
-                        if step % cfg.eval_every == 0 or step == cfg.steps - 1 else nan)
-            row = torch.stack([
-                loss.detach(), (logits.argmax(1) == y).to(dtype).mean(), test_acc,
-                absorbed_mask(logits.grad, y).to(dtype).mean(),
-                collapsed_mask(logits).to(dtype).mean(), gap_max, gap_min,
-                classifier_mean_norm(model.head.weight), feature_mean_norm(feats),
-                model.head.weight.grad.mean(0).norm(),
-                get_total_norm([p.grad for p in params]), get_total_norm(params)])
-            tr.log(step, **dict(zip(TRACKED, row.tolist())))
-        opt.step()
-    return tr
