@@ -162,3 +162,57 @@ def test_a_local_cluster_by_default(fixture_notebooks, tmp_path, capsys):
     assert rc == 0, text
     assert "a local cluster of 1 worker(s)" in text
     assert json.loads(next(out.rglob("job.json")).read_text())["status"] == "ok"
+
+
+# What a kernel sees of the thread settings (issue 37): the variables, torch's and the BLAS pools'
+# thread counts, the CPUs it may run on.
+THREADS_BODY = '''import os
+env = {v: os.environ.get(v) for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                                      "MALLOC_TRIM_THRESHOLD_", "PYTHONHASHSEED")}
+import threadpoolctl
+import torch
+import workbench
+run = workbench.start("09-threads", scale=scale, seed=seed, device="cpu", out_dir=out_dir)
+run.record(env=env, torch_threads=torch.get_num_threads(), cpus=len(os.sched_getaffinity(0)),
+           pools=sorted((p["internal_api"], p["num_threads"]) for p in threadpoolctl.threadpool_info()))
+run.finish()
+'''
+
+
+def test_a_dask_jobs_kernel_sees_the_thread_settings_of_a_process_jobs(tmp_path, client,
+                                                                      monkeypatch):
+    """Two jobs at a time either way: two single-threaded workers, or two processes. The nanny's
+    worker tuning (one BLAS thread, MALLOC_TRIM_THRESHOLD_, PYTHONHASHSEED) is not the kernel's."""
+    from conftest import make_notebook
+    # The fixture's nannies live in this process and wrote their tuning into its environment
+    # (distributed's Nanny does os.environ.update); a runner of the process executor has none.
+    for var in dask.config.get("distributed.nanny.pre-spawn-environ"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    (tmp_path / "nb").mkdir()
+    make_notebook(tmp_path / "nb" / "09-threads.ipynb", THREADS_BODY)
+    (info,) = discover(tmp_path / "nb")
+    by_process = batch.run_batch(batch.plan([info], tmp_path / "p", seeds=[0, 1]), n_jobs=2,
+                                 timeout=300, show_progress=False)
+    by_dask = cluster.run_dask(batch.plan([info], tmp_path / "d", seeds=[0, 1]), client=client,
+                               timeout=300, show_progress=False)
+    seen = [[json.loads((Path(r.job.out) / "metrics.json").read_text())["metrics"] for r in rs]
+            for rs in (by_process, by_dask)]
+    assert seen[0] == seen[1]
+    threads = max(1, (os.cpu_count() or 1) // 2)
+    assert seen[1][0]["torch_threads"] == threads
+    assert seen[1][0]["env"] == {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+                                 "OPENBLAS_NUM_THREADS": str(threads),
+                                 "MALLOC_TRIM_THRESHOLD_": None, "PYTHONHASHSEED": None}
+
+
+def test_the_local_cluster_keeps_its_housekeeping_quiet():
+    """The executor's own cluster runs with QUIET_WORKERS: no 10 ms stack sampling of the task
+    thread, the system monitor every 5 s (CPU the kernels beside it would give up)."""
+    client = cluster.connect(None, n_workers=1)
+    try:
+        got = client.run(lambda dask_worker: ("profile" in dask_worker.periodic_callbacks,
+                                               dask_worker.periodic_callbacks["monitor"].callback_time))
+        assert list(got.values()) == [(False, 5000)]
+    finally:
+        cluster.close(client)
