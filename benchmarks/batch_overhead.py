@@ -8,33 +8,133 @@
 
 For each ``workbench run`` it also splits the wall time into the job itself (``duration_s`` in
 job.json: papermill start to end) and the runner's own share (the rest: CLI start, planning,
-committing, the report). Usage (from the repository root, the zoo cached):
+committing, the report).
 
-    python benchmarks/batch_overhead.py --notebook 12-nfi --reps 3 --dask-reps 1
+Wall time on a shared machine moves with whatever else runs, so each command's process tree is
+also watched from outside (``/proc``, every 0.2 s; Linux only): the CPU seconds of the whole
+command (its exit ``rusage``, children included), of the notebooks' kernels, and of the rest
+(papermill, the runner, and with dask the scheduler, nannies and workers); what each kernel
+actually sees (threads, ``OMP/MKL/OPENBLAS_NUM_THREADS``, CPU affinity); and the CPU the rest of
+the machine used meanwhile (``others``, in cores: the load the command ran beside). CPU seconds
+and thread counts barely move with load; wall time does. Usage (from the repository root, the
+zoo cached):
+
+    python benchmarks/batch_overhead.py --notebook 12-nfi --reps 3 --dask-reps 3
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
-def wall(cmd: list[str]) -> float:
+def _stat(pid: int) -> tuple[int, float, int] | None:
+    """(parent pid, CPU seconds, threads) of a live process, from /proc/PID/stat."""
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(f[1]), (int(f[11]) + int(f[12])) / TICK, int(f[17])
+
+
+def _machine_cpu() -> float:
+    """CPU seconds the whole machine has used (all cores, from /proc/stat); nan without it."""
+    try:
+        f = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+        return (sum(int(x) for x in f[:8]) - int(f[3]) - int(f[4])) / TICK
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+class Tree:
+    """Watches the processes below ``root`` until stopped: the last CPU seconds and the most
+    threads seen for each, and for each notebook kernel its thread variables and affinity."""
+
+    def __init__(self, root: int, every: float = 0.2):
+        self.root, self.every, self.procs = root, every, {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self):
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.every)
+
+    def sample(self):
+        parent = {}
+        for d in os.listdir("/proc"):
+            if d.isdigit() and (s := _stat(int(d))) is not None:
+                parent[int(d)] = s
+        below, frontier = {self.root} & set(parent), {self.root}
+        while frontier:
+            frontier = {p for p, s in parent.items() if s[0] in frontier} - below
+            below |= frontier
+        for pid in below:
+            _, cpu, threads = parent[pid]
+            p = self.procs.get(pid)
+            if p is None:
+                try:
+                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                except OSError:
+                    continue
+                kind = ("runner" if pid == self.root else "kernel" if "ipykernel" in cmd
+                        else "papermill" if "papermill" in cmd
+                        else "worker" if "spawn_main" in cmd else "other")
+                p = self.procs[pid] = {"kind": kind, "cpu": 0.0, "threads": 0}
+                if kind == "kernel":
+                    try:
+                        env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ")
+                                   .read_bytes().decode(errors="replace").split("\0") if "=" in kv)
+                        p["env"] = {v: env.get(v) for v in THREAD_VARS}
+                        p["affinity"] = len(os.sched_getaffinity(pid))
+                    except OSError:
+                        pass
+            p["cpu"], p["threads"] = cpu, max(p["threads"], threads)
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        return self.procs
+
+
+def measure(cmd: list[str]) -> dict:
+    """Run a whole command: its wall time; its CPU seconds (the command and every descendant,
+    from this process's children ``rusage``: one command runs at a time); what the watcher saw;
+    and the rest of the machine's CPU meanwhile, in cores (``others``: the load beside it)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    machine0 = _machine_cpu()
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    tree = Tree(proc.pid) if Path("/proc/self/stat").exists() else None
+    out = proc.communicate()[0]
     t = time.perf_counter() - t0
-    if done.returncode != 0:
-        sys.exit(f"failed ({done.returncode}): {' '.join(cmd)}\n{done.stdout[-2000:]}"
-                 f"{done.stderr[-2000:]}")
-    return t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    procs = tree.stop() if tree else {}
+    if proc.returncode != 0:
+        sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{out[-3000:]}")
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    kernels = [p for p in procs.values() if p["kind"] == "kernel"]
+    by_kind = {}
+    for p in procs.values():
+        by_kind[p["kind"]] = by_kind.get(p["kind"], 0.0) + p["cpu"]
+    return {"wall": t, "cpu": cpu, "kernel_cpu": sum(p["cpu"] for p in kernels),
+            "kernels": kernels, "by_kind": by_kind, "others": (_machine_cpu() - machine0 - cpu) / t,
+            "load": os.getloadavg()[0]}
 
 
 def job_seconds(out: Path) -> list[float]:
@@ -42,18 +142,32 @@ def job_seconds(out: Path) -> list[float]:
             if not any(part.startswith(".") for part in p.relative_to(out).parts)]
 
 
+def kernel_view(m: dict) -> str:
+    """What the command's kernels saw: threads at most, thread variables, CPUs allowed."""
+    ks = m["kernels"]
+    if not ks:
+        return "kernels not seen"
+    envs = {tuple((k.get("env") or {}).get(v) for v in THREAD_VARS) for k in ks}
+    return (f"{len(ks)} kernels: {max(k['threads'] for k in ks)} threads at most, "
+            f"OMP/MKL/OPENBLAS {' or '.join('/'.join(str(x) for x in e) for e in sorted(envs, key=str))}, "
+            f"{' or '.join(str(a) for a in sorted({k.get('affinity') for k in ks}, key=str))} CPUs allowed")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--notebook", default="12-nfi")
+    ap.add_argument("--notebook", default="12-nfi", help="a slug, or a notebook's path")
     ap.add_argument("--reps", type=int, default=3, help="pairs for the papermill comparison")
-    ap.add_argument("--dask-reps", type=int, default=1, help="pairs for the dask comparison")
+    ap.add_argument("--dask-reps", type=int, default=3, help="pairs for the dask comparison")
     ap.add_argument("--seeds", default="0,1,2,3", help="the batch of the dask comparison")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--json", type=Path, help="also write every measurement here")
     args = ap.parse_args()
     py = sys.executable
-    nb = ROOT / "notebooks" / f"{args.notebook}.ipynb"
+    nb = Path(args.notebook) if args.notebook.endswith(".ipynb") else \
+        ROOT / "notebooks" / f"{args.notebook}.ipynb"
     tmp = Path(tempfile.mkdtemp(prefix="wb-bench-"))
-    rows = []
+    rows, pairs = [], []
+    print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at the start")
     try:
         print(f"1. workbench run {args.notebook} vs papermill ({args.reps} pairs)")
         for rep in range(args.reps):
@@ -66,43 +180,53 @@ def main() -> int:
             order = [("papermill", pm), ("workbench", wb)]
             if rep % 2:
                 order.reverse()
-            t = {name: wall(cmd) for name, cmd in order}
+            t = {name: measure(cmd)["wall"] for name, cmd in order}
             (job,) = job_seconds(wb_out)
             rows.append((t["papermill"], t["workbench"], job))
             print(f"   pair {rep}: papermill {t['papermill']:.1f} s, workbench run "
                   f"{t['workbench']:.1f} s (job {job:.1f} s, runner {t['workbench'] - job:.1f} s)"
                   f", ratio {t['workbench'] / t['papermill']:.3f}", flush=True)
-        pm_med = statistics.median(r[0] for r in rows) if rows else float("nan")
-        wb_med = statistics.median(r[1] for r in rows) if rows else float("nan")
-        print(f"   median: papermill {pm_med:.1f} s, workbench run {wb_med:.1f} s, ratio of "
-              f"medians {wb_med / pm_med:.3f}, median ratio "
-              f"{statistics.median([r[1] / r[0] for r in rows] or [float('nan')]):.3f}, "
-              f"runner's own share "
-              f"{statistics.median([r[1] - r[2] for r in rows] or [float('nan')]):.2f} s "
-              "(target ratio <= 1.05)")
+        if rows:
+            pm_med = statistics.median(r[0] for r in rows)
+            wb_med = statistics.median(r[1] for r in rows)
+            print(f"   median: papermill {pm_med:.1f} s, workbench run {wb_med:.1f} s, ratio of "
+                  f"medians {wb_med / pm_med:.3f}, median ratio "
+                  f"{statistics.median(r[1] / r[0] for r in rows):.3f}, runner's own share "
+                  f"{statistics.median(r[1] - r[2] for r in rows):.2f} s (target ratio <= 1.05)")
 
         print(f"2. {args.notebook} seeds {args.seeds}, {args.jobs} jobs: --executor dask vs "
               f"process ({args.dask_reps} pairs)")
-        pairs = []
         for rep in range(args.dask_reps):
             t = {}
             order = ["process", "dask"] if rep % 2 == 0 else ["dask", "process"]
             for ex in order:
                 out = tmp / f"{ex}-{rep}"
-                t[ex] = wall([py, "-m", "workbench.cli", "run", args.notebook, "--seeds",
-                              args.seeds, "--jobs", str(args.jobs), "--executor", ex,
-                              "--out", str(out)])
-                t[ex + " jobs"] = sum(job_seconds(out))
+                m = measure([py, "-m", "workbench.cli", "run", args.notebook, "--seeds",
+                             args.seeds, "--jobs", str(args.jobs), "--executor", ex,
+                             "--out", str(out)])
+                m["jobs"] = sum(job_seconds(out))
+                t[ex] = m
+                kinds = ", ".join(f"{k} {v:.1f}" for k, v in sorted(m["by_kind"].items()))
+                print(f"   pair {rep} {ex:>7}: {m['wall']:.1f} s wall, jobs {m['jobs']:.1f} s "
+                      f"summed; CPU {m['cpu']:.1f} s ({kinds}); beside it "
+                      f"{m['others']:.2f} cores of other work; {kernel_view(m)}", flush=True)
+            t["ratio"] = t["dask"]["wall"] / t["process"]["wall"]
+            print(f"   pair {rep}: ratio {t['ratio']:.3f}", flush=True)
             pairs.append(t)
-            print(f"   pair {rep}: process {t['process']:.1f} s (jobs {t['process jobs']:.1f} "
-                  f"s summed), dask {t['dask']:.1f} s (jobs {t['dask jobs']:.1f} s summed), "
-                  f"ratio {t['dask'] / t['process']:.3f}", flush=True)
         if pairs:
-            print(f"   median ratio "
-                  f"{statistics.median(p['dask'] / p['process'] for p in pairs):.3f}"
-                  " (target <= 1.10)")
+            med = lambda f: statistics.median(f(p) for p in pairs)
+            print(f"   medians: wall process {med(lambda p: p['process']['wall']):.1f} s, dask "
+                  f"{med(lambda p: p['dask']['wall']):.1f} s, ratio {med(lambda p: p['ratio']):.3f}"
+                  f" (target <= 1.10); kernel CPU process "
+                  f"{med(lambda p: p['process']['kernel_cpu']):.1f} s, dask "
+                  f"{med(lambda p: p['dask']['kernel_cpu']):.1f} s; rest process "
+                  f"{med(lambda p: p['process']['cpu'] - p['process']['kernel_cpu']):.1f} s, dask "
+                  f"{med(lambda p: p['dask']['cpu'] - p['dask']['kernel_cpu']):.1f} s")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if args.json:
+            args.json.write_text(json.dumps({"papermill": rows, "dask": pairs}, indent=1,
+                                            default=str))
     return 0
 
 
