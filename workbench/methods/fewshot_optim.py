@@ -10,6 +10,8 @@ The paper's diagnostics are here: the per-coordinate ratio of the few-shot to th
 second moment of per-example gradients (C2), Adam's first-step update norm against SGD's and
 the budget-matched Adam whose learning rate makes the two equal (C3), distance from the
 pretrained weights (C5); the top Hessian eigenvalue is :func:`workbench.diagnostics.top_hessian_eigenvalue`.
+The notebook's data, its runs of every method on every support set and its tables are the
+harness in :mod:`workbench.experiments.fewshot_optim`.
 """
 from __future__ import annotations
 
@@ -18,13 +20,15 @@ import math
 
 import torch
 import torch.nn.functional as F
+from peft import LoraConfig, inject_adapter_in_model
+from pytorch_optimizer import SOAP, Shampoo
 from torch import nn
 
 from ..models import clip
 
 __all__ = ["FewShotClassifier", "make_optimizer", "train", "accuracy", "per_example_sq_grads",
-           "second_moment_ratio", "first_step_update", "budget_matched_lr", "distance_from_init",
-           "OPTIMIZERS", "PEFT"]
+           "full_grad", "second_moment_ratio", "first_step_update", "budget_matched_lr",
+           "distance_from_init", "OPTIMIZERS", "PEFT"]
 
 
 class FewShotClassifier(nn.Module):
@@ -67,7 +71,6 @@ class FewShotClassifier(nn.Module):
             self.ctx = nn.Parameter(emb(self.ids[0, 1:1 + n_ctx]).detach().clone())
             emb.register_forward_hook(self._ctx_hook)
         elif mode == "lora":
-            from peft import LoraConfig, inject_adapter_in_model
             self.head.requires_grad_(False)
             cfg = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0,
                              target_modules=["q_proj", "v_proj"])
@@ -128,10 +131,8 @@ def make_optimizer(name: str, params, lr: float, weight_decay: float = 0.0):
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay or 0.05)
     if name == "shampoo":
-        from pytorch_optimizer import Shampoo
         return Shampoo(params, lr=lr, momentum=0.9)
     if name == "soap":
-        from pytorch_optimizer import SOAP
         return SOAP(params, lr=lr, weight_decay=0.0, precondition_frequency=1)
     raise ValueError(name)
 
