@@ -62,7 +62,7 @@ def test_curves_saves_the_static_figure_into_the_run(tmp_path):
 
 def test_curves_shows_plotly_only_when_interactive(monkeypatch):
     shown = []
-    monkeypatch.setattr("IPython.display.display", lambda obj: shown.append(obj))
+    monkeypatch.setattr(plots, "display", lambda obj: shown.append(obj))
     data = {"a": np.vstack([np.zeros(5), np.ones(5)]), "b": np.arange(5.0)}
     monkeypatch.setattr(plots, "interactive", lambda: False)
     fig = plots.curves(data, x=X, title="T", xlabel="x", ylabel="y")

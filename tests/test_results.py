@@ -69,9 +69,11 @@ def test_say_fills_numbers_from_the_record(project, capsys):
     for s, (a, h) in enumerate([(0.5, True), (0.7, True), (0.9, False)]):
         job(run, "99-demo", s, a, h)
     results.record(run)
-    text = results.say("99-demo", "C1 holds on {claims[C1]} seeds; acc {metrics[acc]:.2f}, "
+    text = results.render("99-demo", "C1 holds on {claims[C1]} seeds; acc {metrics[acc]:.2f}, "
                                   "{metrics[nope]:.2f} over seeds {seeds}.")
     assert text == "C1 holds on 2/3 seeds; acc 0.70 ± 0.16, ? over seeds 0, 1, 2."
+    results.say("99-demo", "C1 {claims[C1]}")
+    assert capsys.readouterr().out == "C1 2/3\n"              # outside Jupyter: printed
     table = results.table("99-demo")
     assert "| C1 | acc is high | yes | holds | holds | does not hold | 2/3 |" in table
 

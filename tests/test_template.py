@@ -26,8 +26,13 @@ def test_new_writes_a_notebook_that_runs(tmp_path):
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["sizes"]["steps"] == 40 and metrics["claims"][0]["id"] == "C1"
     executed = json.loads((tmp_path / "out.ipynb").read_text())
-    last = [o for c in executed["cells"] for o in c.get("outputs", [])][-1]
+    (finish,) = [c for c in executed["cells"] if "run.finish()" in "".join(c["source"])]
+    last = finish["outputs"][-1]
     assert "text/html" in last["data"] and "text/plain" in last["data"]   # the verdict table
+    (shown,) = [c for c in executed["cells"] if "results" in c["metadata"].get("tags", [])]
+    # What we saw: Markdown rendered from the (not yet recorded) results, no stray repr
+    assert [o["output_type"] for o in shown["outputs"]] == ["display_data", "display_data"]
+    assert "No recorded runs of 99-demo" in "".join(shown["outputs"][0]["data"]["text/markdown"])
 
 
 def test_new_refuses_bad_names_and_overwrites(tmp_path, capsys):

@@ -85,7 +85,7 @@ def test_recipes_cache_and_cards_import_without_torch():
     # the zoo itself imports torch at its top (visible dependencies); what the CLI needs to
     # name recipes, find the cache and print cards does not
     code = "import sys, workbench.models.recipes, workbench.cache, workbench.cards, " \
-           "workbench.data.tasks, workbench.data.corpus; " \
+           "workbench.data.tasks; " \
            "print('torch' in sys.modules, 'transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.split() == ["False", "False"]

@@ -15,7 +15,14 @@ from __future__ import annotations
 from collections import defaultdict
 
 import numpy as np
+import pandas as pd
 import torch
+from scipy import stats
+
+__all__ = ["dormant_scores", "dormant_fraction", "activity_scores", "inactive_fraction",
+           "saturated_fraction", "singular_values", "srank", "erank", "global_norm", "Tracker",
+           "growth_rate", "ablate_singular", "ablate_random", "hutchinson_trace", "spearman_ci",
+           "top_hessian_eigenvalue"]
 
 
 # -- dormant neurons ---------------------------------------------------------------------------
@@ -160,7 +167,6 @@ class Tracker:
         return name in self.series
 
     def frame(self):
-        import pandas as pd
         return pd.DataFrame({"step": self.steps, **self.series})
 
 
@@ -234,7 +240,6 @@ def spearman_ci(x, y, n_resamples: int = 1000, confidence: float = 0.95, seed: i
     (``scipy.stats.rankdata``, ties averaged), Pearson of the ranks, all resamples at once.
 
     Returns ``{"rho", "low", "high", "n"}``; all NaN when either side is constant."""
-    from scipy import stats
     x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
     if x.shape != y.shape or x.ndim != 1:
         raise ValueError(f"x and y must be 1-D of one length, got {x.shape} and {y.shape}")

@@ -5,18 +5,23 @@ always, the static picture papermill and the HTML report keep.
 """
 from __future__ import annotations
 
+import matplotlib
+import matplotlib.pyplot as plt
 import numpy as np
+import plotly.graph_objects as go
+from cycler import cycler
+from IPython.display import display
+from plotly.subplots import make_subplots
 
 from .env import in_ipython, interactive
+
+__all__ = ["PALETTE", "style", "subplots", "band", "mark_points", "curves"]
 
 PALETTE = ["#1f5a96", "#d1495b", "#2e933c", "#edae49", "#6c4f9c", "#00798c", "#8d6a4f"]
 
 
 def style() -> None:
     """Apply the house matplotlib style (headless-safe: uses the Agg backend outside Jupyter)."""
-    import matplotlib
-    import matplotlib.pyplot as plt
-    from cycler import cycler
     if not in_ipython():
         matplotlib.use("Agg")
     plt.rcParams.update({
@@ -29,7 +34,6 @@ def style() -> None:
 
 def subplots(nrows: int = 1, ncols: int = 1, **kwargs):
     """``plt.subplots`` with the house style applied and a width that grows with the columns."""
-    import matplotlib.pyplot as plt
     style()
     kwargs.setdefault("figsize", (4.2 * ncols, 3.4 * nrows))
     kwargs.setdefault("constrained_layout", True)
@@ -132,8 +136,6 @@ def curves(data, x=None, *, title: str, xlabel: str, ylabel, logy: bool = False,
     if run is not None and name:
         run.savefig(fig, name)
     if interactive():
-        import matplotlib.pyplot as plt
-        from IPython.display import display
         display(_plotly_curves(parsed, title, xlabel, ylabels, logy, cols, rows))
         plt.close(fig)                 # the live session shows the plotly figure, not both
     return fig
@@ -142,8 +144,6 @@ def curves(data, x=None, *, title: str, xlabel: str, ylabel, logy: bool = False,
 def _plotly_curves(parsed: dict, title: str, xlabel: str, ylabels: dict, logy: bool,
                    cols: int, rows: int):
     """The plotly twin of :func:`curves`' matplotlib figure (hover, zoom, toggle series)."""
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
     titles = [p for p in parsed if p is not None]
     fig = make_subplots(rows=rows, cols=cols, subplot_titles=titles or None)
     for k, (p, (xs, series)) in enumerate(parsed.items()):

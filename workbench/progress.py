@@ -4,13 +4,16 @@ from __future__ import annotations
 import sys
 from typing import Iterable
 
+from tqdm.auto import tqdm
+
 from .env import batch_mode, interactive
+
+__all__ = ["progress"]
 
 
 def progress(iterable: Iterable | None = None, total: int | None = None, desc: str = "",
              **kwargs):
     """A live bar in Jupyter or a terminal; in papermill/CI logs, a line every ~10 percent."""
-    from tqdm.auto import tqdm
     live = interactive() or (sys.stderr.isatty() and not batch_mode())
     if not live:
         # mininterval in seconds is what keeps logs short; miniters bounds the update count too.

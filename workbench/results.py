@@ -27,7 +27,7 @@ from pathlib import Path
 from .env import project_root
 
 __all__ = ["SEEDS", "results_dir", "path", "notebook_key", "zoo_keys", "current_key", "record",
-           "load", "stale", "Recorded", "table", "show", "say", "findings", "main"]
+           "load", "stale", "Recorded", "table", "show", "render", "say", "findings", "main"]
 
 SEEDS = (0, 1, 2)           # the seeds a recorded result covers
 RESULTS_TAG = "results"     # a code cell tagged so shows recorded results: not part of the key
@@ -198,17 +198,18 @@ class Recorded:
         return len(self.seeds)
 
 
-def _display_markdown(text: str) -> str:
+def _display_markdown(text: str) -> None:
+    """Markdown in a notebook (rendered by JupyterLab, kept in the executed notebook), plain text
+    elsewhere. Returns nothing, so a cell ending in show/say shows no repr beside it."""
     try:
-        from IPython.display import Markdown, display
         from IPython import get_ipython
-        if get_ipython() is not None:
-            display(Markdown(text))
-            return text
+        from IPython.display import Markdown, display
     except ImportError:
-        pass
-    print(text)
-    return text
+        get_ipython = None
+    if get_ipython is not None and get_ipython() is not None:
+        display(Markdown(text))
+    else:
+        print(text)
 
 
 def table(slug: str) -> str:
@@ -231,18 +232,23 @@ def table(slug: str) -> str:
     return note + "\n\n" + "\n".join(lines)
 
 
-def show(slug: str) -> str:
+def show(slug: str) -> None:
     """Display the record's verdict table (Markdown in Jupyter, text elsewhere)."""
-    return _display_markdown(table(slug))
+    _display_markdown(table(slug))
 
 
-def say(slug: str, template: str) -> str:
+def say(slug: str, template: str) -> None:
     """Display ``template`` (Markdown) with its ``{claims[C1]}``, ``{metrics[name]:.2f}``,
     ``{n}`` and ``{seeds}`` fields filled from the record; a metric the record lacks shows as
     ``?`` rather than failing, so prose never breaks a run."""
+    _display_markdown(render(slug, template))
+
+
+def render(slug: str, template: str) -> str:
+    """``template`` with its fields filled from the record (what :func:`say` displays)."""
     r = Recorded.of(slug)
     if r is None:
-        return _display_markdown(table(slug))
+        return table(slug)
 
     class Missing(dict):
         def __missing__(self, k):
@@ -250,7 +256,7 @@ def say(slug: str, template: str) -> str:
 
     fields = {"claims": Missing(r.claims), "metrics": Missing(r.metrics), "n": r.n,
               "seeds": ", ".join(map(str, r.seeds))}
-    return _display_markdown(template.format_map(fields))
+    return template.format_map(fields)
 
 
 class _Unknown:

@@ -9,7 +9,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .notebooks import KERNELSPEC, NAME_RE, TEMPLATE_MARK as MARK, clean
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell
+from nbformat.v4 import new_notebook as blank
+
+from .notebooks import KERNELSPEC, NAME_RE, TEMPLATE_MARK as MARK, clean, notebooks_dir
+
+__all__ = ["new_notebook"]
 
 TITLE = """# {number} · {title}
 
@@ -23,11 +29,11 @@ TITLE = """# {number} · {title}
 **Scaled down.** {mark}: at `smoke` scale (CPU, at most 90 s) ... ; `full` runs ... on one GPU.
 """
 
-PARAMETERS = """scale: str = "smoke"  # smoke (CPU, at most 90 s) or full (one GPU)
-seed: int = 0  # seeds torch, numpy and the data
-device: str = "auto"  # auto, cpu, cuda or mps
+PARAMETERS = """scale: str = "smoke"  # smoke (CPU, at most 90 s) or full (one GPU) {{smoke|full}}
+seed: int = 0  # seeds torch, numpy and the data [0..]
+device: str = "auto"  # auto, cpu, cuda or mps {{auto|cpu|cuda|mps}}
 out_dir: str = None  # run directory (None: runs/interactive/{slug})
-steps: int = None  # training steps (None: the scale's size)
+steps: int = None  # training steps (None: the scale's size) [1..]
 """
 
 SIZES = """SIZES = {{
@@ -41,7 +47,7 @@ SIZES = """SIZES = {{
 OPENING = """import numpy as np
 
 import workbench
-from workbench import plots
+from workbench import plots, results
 
 run = workbench.start("{slug}", globals())   # the parameters cell's names, checked and recorded
 S = run.sizes(SIZES)                          # knobs named like a size override it
@@ -50,8 +56,12 @@ S
 
 METHOD_MD = """## The method
 
-{mark}: the method's equations, and the function that implements each. The code lives in
-`workbench/methods/{module}.py` and is shown in place.
+{mark}: the method's equations, and the function that implements each, e.g.
+
+$$\\theta_{{t+1}} = \\theta_t - \\eta \\, \\nabla_\\theta \\mathcal{{L}}(\\theta_t).$$
+
+The method lives in `workbench/methods/{module}.py` and is shown in place; the data preparation,
+baselines and training harness the notebook calls live in `workbench/experiments/{module}.py`.
 """
 
 METHOD = """workbench.show(workbench.start)   # {mark}: workbench.show(<your method's function>)
@@ -81,10 +91,16 @@ run.finish()
 
 CLOSING_MD = """## What we saw
 
-{mark}: written from the verdict table of seeds 0, 1 and 2 at smoke scale: each claim, whether
-it holds, the numbers behind it, and your reading of why.
+The verdicts of seeds 0, 1 and 2 at smoke scale, from `notebooks/results/{slug}.json`
+(`workbench run {slug} --seeds 0,1,2 --jobs 1 --out runs/rec && workbench report runs/rec`).
+"""
 
-## Exercises
+CLOSING = """results.show("{slug}")
+results.say("{slug}", \"\"\"{mark}: your reading of each claim, every number a field:
+C1 holds on {{claims[C1]}} seeds (the mean is {{metrics[mean]:.2f}}).\"\"\")
+"""
+
+EXERCISES_MD = """## Exercises
 
 1. {mark}: what to change, and what to expect.
 """
@@ -93,11 +109,6 @@ it holds, the numbers behind it, and your reading of why.
 def new_notebook(name: str, title: str | None = None, directory: Path | None = None,
                  force: bool = False) -> Path:
     """Write ``directory/NN-slug.ipynb`` from the template; refuse to overwrite one that exists."""
-    import nbformat
-    from nbformat.v4 import new_code_cell, new_markdown_cell
-    from nbformat.v4 import new_notebook as blank
-
-    from .notebooks import notebooks_dir
     slug = name[:-6] if name.endswith(".ipynb") else name
     if not NAME_RE.match(slug + ".ipynb"):
         raise ValueError(f"{name!r} is not a notebook name: use NN-slug, two digits, then "
@@ -119,7 +130,9 @@ def new_notebook(name: str, title: str | None = None, directory: Path | None = N
              new_code_cell(EXPERIMENT.format(**fill)),
              new_markdown_cell(VERDICTS_MD.format(**fill)),
              new_code_cell(VERDICTS.format(**fill)),
-             new_markdown_cell(CLOSING_MD.format(**fill))]
+             new_markdown_cell(CLOSING_MD.format(**fill)),
+             new_code_cell(CLOSING.format(**fill), metadata={"tags": ["results"]}),
+             new_markdown_cell(EXERCISES_MD.format(**fill))]
     nb = blank(cells=cells)
     nb.metadata["kernelspec"] = dict(KERNELSPEC)
     nb.metadata["language_info"] = {"name": "python"}

@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from sklearn.datasets import load_digits
+
+__all__ = ["Task", "modular_addition", "digits"]
 
 
 @dataclass
@@ -33,7 +36,6 @@ def modular_addition(p: int = 23, train_frac: float = 0.5, seed: int = 0) -> Tas
 def digits(train_frac: float = 0.5, seed: int = 0, n_max: int | None = None) -> Task:
     """scikit-learn's 8x8 handwritten digits (1797 images, shipped with the package), pixels / 16;
     ``n_max`` keeps a seeded subset."""
-    from sklearn.datasets import load_digits
     d = load_digits()
     x = torch.tensor(d.data, dtype=torch.float32) / 16.0
     y = torch.tensor(d.target, dtype=torch.long)

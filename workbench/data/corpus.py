@@ -13,8 +13,17 @@ from __future__ import annotations
 
 import random
 import zlib
+from pydoc_data.topics import topics
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
 
 from . import tasks as T
+
+__all__ = ["SPECIAL", "HELDOUT_FRACTION", "documents", "is_heldout", "split", "train_text",
+           "heldout_text", "task_lines", "train_tokenizer", "encode_documents", "blocks",
+           "heldout_blocks", "calibration_blocks"]
 
 SPECIAL = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>",
            "unk_token": "<unk>"}
@@ -23,7 +32,6 @@ HELDOUT_FRACTION = 0.12
 
 def documents() -> dict[str, str]:
     """All reference documents, name -> text, in a stable order."""
-    from pydoc_data.topics import topics
     return {k: topics[k] for k in sorted(topics)}
 
 
@@ -70,8 +78,6 @@ def train_tokenizer(vocab_size: int = 1024, extra_text: list[str] | None = None)
     Returns a ``PreTrainedTokenizerFast`` with pad/bos/eos/unk set; deterministic for a fixed
     input.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -97,7 +103,6 @@ def encode_documents(tokenizer, texts: list[str]) -> list[int]:
 
 def blocks(tokenizer, texts: list[str], ctx: int, max_blocks: int | None = None):
     """Non-overlapping ``ctx``-token blocks of the document stream, as a LongTensor (B, ctx)."""
-    import torch
     ids = encode_documents(tokenizer, texts)
     n = len(ids) // ctx
     if max_blocks is not None:
@@ -112,7 +117,6 @@ def heldout_blocks(tokenizer, ctx: int, max_blocks: int | None = None):
 
 def calibration_blocks(tokenizer, ctx: int, n: int, seed: int = 0):
     """``n`` random ``ctx``-token windows of the *train* documents (quantization calibration)."""
-    import torch
     ids = torch.tensor(encode_documents(tokenizer, train_text()), dtype=torch.long)
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(ids) - ctx, (n,), generator=g)

@@ -14,6 +14,11 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+from scipy import ndimage, stats
+from scipy import stats
+from sklearn.datasets import load_digits
+
+__all__ = ["Mixture", "mixture_weights", "stable_mixture", "imbalanced_digits", "extreme_field"]
 
 
 @dataclass
@@ -47,7 +52,6 @@ def stable_mixture(n: int, seed: int = 0, n_modes: int = 6, radius: float = 4.0,
     (scipy.stats.levy_stable, characteristic function exp(-|u|^alpha)), so the radius ||x|| has
     tail index alpha. Modes with weight below 0.05 are the rare ones.
     """
-    from scipy import stats
     if not 0 < alpha <= 2:
         raise ValueError(f"alpha must be in (0, 2], got {alpha}")
     rng = np.random.default_rng(seed)
@@ -63,7 +67,6 @@ def stable_mixture(n: int, seed: int = 0, n_modes: int = 6, radius: float = 4.0,
 def imbalanced_digits(ratio: float = 20.0, seed: int = 0):
     """Digits with class c kept at a fraction ratio^(-c / 9) of its images (class 0 whole,
     class 9 about 1 / ratio): returns (x in [0, 1], shape (n, 64), labels, per-class fraction)."""
-    from sklearn.datasets import load_digits
     d = load_digits()
     rng = np.random.default_rng(seed)
     keep, frac = [], ratio ** (-np.arange(10) / 9)
@@ -80,7 +83,6 @@ def extreme_field(n: int, size: int = 12, seed: int = 0, alpha: float = 1.5,
     a Gaussian kernel of width ``smooth`` cells, unit variance) plus, with probability
     ``burst_rate`` per field, one burst at a random cell whose amplitude is |S|, S alpha-stable,
     blurred by the same kernel: extremes with a power-law tail of index alpha."""
-    from scipy import ndimage, stats
     rng = np.random.default_rng(seed)
     white = rng.standard_normal((n, size, size))
     base = ndimage.gaussian_filter(white, sigma=(0, smooth, smooth), mode="wrap")

@@ -19,6 +19,8 @@ of :data:`TEMPLATES` (template 0 is the zero-shot prompt). Nothing is downloaded
 from __future__ import annotations
 
 import numpy as np
+import torch
+from sklearn.datasets import load_digits
 
 __all__ = ["SIZE", "SHAPES", "COLOURS", "TEXTURES", "DIGIT_NAMES", "SHAPES_CLASSES",
            "SHAPES_SEEN", "SHAPES_HELDOUT", "TEMPLATES", "classes", "caption", "shapes",
@@ -141,7 +143,6 @@ def digits(split: str = "train", seed: int = 0, train_frac: float = 0.7, names=D
     """scikit-learn's digits, upsampled to SIZE x SIZE grey images: ``(x, y, captions)`` of the
     ``split`` ("train" | "test" | "all") of a seeded permutation (seed 0 is CLIP's split), only
     the classes in ``names`` (``y`` indexes ``names``)."""
-    from sklearn.datasets import load_digits
     d = load_digits()
     perm = np.random.default_rng([seed, 11]).permutation(len(d.target))
     cut = int(train_frac * len(perm))
@@ -175,7 +176,6 @@ def family(name: str, which: str = "seen", n_per_class: int = 20, seed: int = 0,
 def add_noise(x, sigma: float, seed: int):
     """A domain shift: ``x`` plus seeded Gaussian pixel noise of std ``sigma``, clipped to [0, 1]
     (a torch tensor; the zoo's CLIP never saw noisy images, so zero-shot accuracy drops)."""
-    import torch
     g = torch.Generator().manual_seed(seed)
     x = torch.as_tensor(x)
     return (x + sigma * torch.randn(x.shape, generator=g)).clamp(0, 1)

@@ -24,6 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+__all__ = ["LETTERS", "canonical", "all_patterns", "transitions", "distinct_indices",
+           "PatternTask", "make_task"]
+
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 

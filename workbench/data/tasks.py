@@ -28,6 +28,10 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Callable
 
+__all__ = ["ANSWER_MARK", "STEP_SEP", "LETTERS", "Example", "final_answer", "exact_match",
+           "Family", "FAMILIES", "names", "get", "generate", "score", "same_surface",
+           "problem_split"]
+
 ANSWER_MARK = "=>"
 STEP_SEP = " ; "
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -297,7 +301,6 @@ def problem_split(family: str, difficulty: int, heldout_fraction: float = 0.3,
     """Disjoint (train, held-out) *problems* of a task family: unique prompts split by a fixed
     crc32 of the prompt, so no held-out question is ever trained on (at difficulty 1 a family
     can have only a few dozen distinct problems)."""
-    import zlib
     seen, train, held = set(), [], []
     for e in generate(family, pool, seed=4242, difficulty=difficulty):
         if e.prompt in seen:

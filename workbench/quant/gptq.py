@@ -8,6 +8,8 @@ from torch import nn
 
 from .grid import Quantized, rtn_params
 
+__all__ = ["gptq", "HessianCollector", "collect_hessians", "output_error"]
+
 # -- GPTQ -------------------------------------------------------------------------------------
 
 def gptq(w: torch.Tensor, H: torch.Tensor, bits: int, group_size: int = 128, sym: bool = True,

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+__all__ = ["expand_groups", "levels", "rtn_params", "quantize_codes", "dequantize", "Quantized",
+           "rtn", "absmean_ternary", "ternary_quantized", "ste", "ternary_ste", "block_linears",
+           "bits_per_weight"]
+
 # -- group-wise RTN ---------------------------------------------------------------------------
 
 

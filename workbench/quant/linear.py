@@ -7,6 +7,8 @@ from torch import nn
 from .gptq import gptq
 from .grid import Quantized, dequantize, rtn
 
+__all__ = ["QuantLinear"]
+
 
 def _stamp(t: torch.Tensor) -> tuple:
     """What identifies a tensor's current contents: the object (held, so its address is not

@@ -25,6 +25,8 @@ from torch import nn
 
 from .envs import finished_episodes, make_vec_env
 
+__all__ = ["DQNSettings", "QNetwork", "ReplayBuffer", "linear_schedule", "train_dqn"]
+
 
 @dataclass
 class DQNSettings:

@@ -21,6 +21,9 @@ from typing import Callable
 
 import gymnasium as gym
 import numpy as np
+from minatar import Environment
+
+__all__ = ["check_env_id", "env_family", "MinAtarEnv", "make_env", "make_vec_env", "finished_episodes"]
 
 CLASSIC_IDS = ("CartPole-v1", "Acrobot-v1")
 MINATAR_GAMES = {"MinAtar/Asterix-v1": "asterix", "MinAtar/Breakout-v1": "breakout",
@@ -54,7 +57,6 @@ class MinAtarEnv(gym.Env):
     metadata = {"render_modes": []}
 
     def __init__(self, game: str, sticky_action_prob: float = 0.1):
-        from minatar import Environment
         self.game = Environment(game, sticky_action_prob=sticky_action_prob)
         self.action_set = list(self.game.minimal_action_set())
         h, w, c = self.game.state_shape()
@@ -77,6 +79,7 @@ class MinAtarEnv(gym.Env):
 
 
 def _make_ale(env_id: str) -> gym.Env:
+    # imported here on purpose: the ROM package is optional, and its absence gets a clear message
     try:
         import ale_py
     except ImportError as err:

@@ -35,6 +35,9 @@ LOG_KEYS = ("learning_rate", "value_loss", "policy_loss", "entropy", "old_approx
 
 from .envs import finished_episodes, make_vec_env
 
+__all__ = ["LOG_KEYS", "PPOSettings", "kl_estimates", "clip_fraction", "explained_variance",
+           "ActorCritic", "train_ppo"]
+
 
 @dataclass
 class PPOSettings:
