@@ -47,8 +47,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from torch.nn import functional as F
+from transformers import DynamicCache
 
 from ..data import packing
+
+__all__ = ["TOKEN_BYTES", "Entry", "tensor_bytes", "prefix_ids", "make_entry", "query_keys",
+           "rotate_half", "shift_keys", "build_cache", "forward_with_entries", "answer_scores",
+           "score_logits", "BudgetExceeded", "Budget", "Calibration", "fit_calibration",
+           "similarity", "retrieve", "Memory", "likelihood_gain", "retention", "coverage_gain",
+           "select", "stage_accuracy", "average_accuracy", "last_accuracy", "forgetting",
+           "state_hash", "Prepared", "prepare", "run_stream"]
 
 TOKEN_BYTES = 2           # stored token ids as int16 (vocabularies here are < 32768)
 
@@ -150,7 +158,6 @@ def shift_keys(model, k: torch.Tensor, delta: int) -> torch.Tensor:
 def build_cache(model, entries: list[Entry], batch: int = 1):
     """A ``DynamicCache`` holding ``entries`` end to end (each key block rotated on by the
     length before it), repeated over ``batch`` rows; returns ``(cache, prefix_length)``."""
-    from transformers import DynamicCache
     if not entries:
         return None, 0
     layers, offset = [], 0

@@ -14,50 +14,33 @@
   which are prepended to the input embeddings; prompts and keys are trained with the task loss
   plus the key-pull term ``1 - cos(q, k)``. Bytes: prompts + keys.
 
-Trained states are cached under ``zoo_dir()/inducekv/<kind>-<hash>`` (a hash of everything
-that changes them), behind a file lock, so a notebook never retrains what is cached.
+Here are the baselines' building blocks (LoRA bytes and states, the shared LoRA loop, the
+router, the prompt pool and its training and scoring). The runs of the notebook (sequential LoRA
+and replay over a stream, the experts, their cached states) are its harness:
+:mod:`workbench.experiments.inducekv`.
 """
 from __future__ import annotations
 
-import hashlib
-import json
-from pathlib import Path
-
 import numpy as np
 import torch
+from peft import get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load_file
 from torch import nn
 from torch.nn import functional as F
 
 from ..data import packing
-from .. import cache
 from ..models import finetune
 from . import inducekv as K
+
+__all__ = ["lora_bytes", "train_steps", "lora_state", "set_lora_state", "fresh_lora",
+           "pool_state", "centroids", "route", "PromptPool", "l2p_forward", "train_l2p",
+           "l2p_scores"]
 
 
 def lora_bytes(model, adapter: str | None = None) -> int:
     """Bytes of the LoRA factors of ``adapter`` (all adapters when None) in a ``PeftModel``."""
     return int(sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                    if "lora_" in n and (adapter is None or f".{adapter}." in n)))
-
-
-def cache_path(kind: str, spec: dict) -> Path:
-    from ..models import zoo
-    key = hashlib.sha1(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:10]
-    return zoo.zoo_dir() / "inducekv" / f"{kind}-{key}"
-
-
-def cached_states(kind: str, spec: dict, build) -> list[dict]:
-    """The per-stage state dicts ``build()`` returns, computed once and cached by ``spec``
-    (:func:`workbench.cache.build`: a file lock, a directory renamed into place)."""
-    path = cache_path(kind, spec)
-    path.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(tmp):
-        torch.save(build(), tmp / "states.pt")
-        return spec
-
-    cache.build(path, write)
-    return torch.load(path / "states.pt", weights_only=False)
 
 
 def train_steps(model, pairs, steps: int, batch: int, lr: float, seed: int, replay=None,
@@ -71,12 +54,12 @@ def train_steps(model, pairs, steps: int, batch: int, lr: float, seed: int, repl
 
 
 def lora_state(model) -> dict:
-    from peft import get_peft_model_state_dict
+    """A detached copy of the LoRA factors of a ``PeftModel``."""
     return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
 
 
 def set_lora_state(model, state: dict) -> None:
-    from peft import set_peft_model_state_dict
+    """Load LoRA factors (as :func:`lora_state` gives them) into a ``PeftModel``."""
     set_peft_model_state_dict(model, state)
 
 
@@ -87,73 +70,7 @@ def fresh_lora(model, seed: int, rank: int = 8, lora_scale: float = 2.0):
 
 def pool_state(pool, name: str) -> dict:
     """The saved LoRA factors of the pool's adapter ``name``."""
-    from safetensors.torch import load_file
     return load_file(str(pool.path(name) / "adapter_model.safetensors"))
-
-
-def sequential_lora(pool, base: str, stream: list[str], train_pairs: dict, steps: int,
-                    batch: int, lr: float, seed: int, replay_per_task: int = 0,
-                    first: str | None = None, rank: int = 8, lora_scale: float = 2.0):
-    """``(peft_model, states, info)``: one LoRA after each stage of ``stream`` (cached).
-
-    ``first``: the pool adapter that is stage 1 (what training a LoRA on the first task gives,
-    already cached); None trains a fresh LoRA (``rank``, ``lora_scale``) ``steps`` on it, as
-    every later stage is trained. With ``replay_per_task`` that many examples of each finished
-    task join a replay buffer that fills half of every later batch."""
-    from peft import PeftModel
-    from ..models import zoo
-    model, tok = zoo.load(base, pool.scale)
-    if first is not None:
-        model = PeftModel.from_pretrained(model, pool.path(first), is_trainable=True)
-    else:
-        model = fresh_lora(model, seed, rank, lora_scale)
-    spec = {"pool": str(pool.dir.name), "base": base, "stream": stream, "steps": steps,
-            "batch": batch, "lr": lr, "seed": seed, "replay": replay_per_task, "first": first,
-            "rank": rank, "lora_scale": lora_scale,
-            "data": {t: [len(train_pairs[t]), sum(len(i) for i, _ in train_pairs[t])]
-                     for t in stream}}
-
-    def build():
-        states, buf, buffers = [], [], []
-        for t, task in enumerate(stream):
-            if t > 0 or first is None:
-                train_steps(model, train_pairs[task], steps, batch, lr, seed + 1000 * t,
-                            buf or None, tok.pad_token_id)
-            states.append(lora_state(model))
-            if replay_per_task:
-                rs = np.random.default_rng(seed + t)
-                pick = rs.choice(len(train_pairs[task]), replay_per_task, replace=False)
-                buf = buf + [train_pairs[task][i] for i in pick]
-            buffers.append(sum(len(ids) for ids, _ in buf) * K.TOKEN_BYTES)
-        return {"states": states, "buffer_bytes": buffers}
-
-    kind = ("replay" if replay_per_task else "seqlora") + ("" if first else "-fresh")
-    got = cached_states(kind, spec, build)
-    n_train = sum(1 for t in range(len(stream)) if t > 0 or first is None)
-    info = {"buffer_bytes": got["buffer_bytes"], "adapter_bytes": lora_bytes(model),
-            "passes": 3 * steps * batch * n_train}
-    set_lora_state(model, got["states"][-1])
-    model.eval()
-    return model, tok, got["states"], info
-
-
-def moe_experts(pool, base: str, stream: list[str], train_pairs: dict, experts_from_pool,
-                steps: int, batch: int, lr: float, seed: int):
-    """``(peft_model, states, passes)``: one expert LoRA per task. ``experts_from_pool`` names
-    the pool adapter of each task (cached, no training); None trains a fresh one per task."""
-    from peft import PeftModel
-    from ..models import zoo
-    if experts_from_pool is not None:
-        model, _ = zoo.load(base, pool.scale)
-        model = PeftModel.from_pretrained(model, pool.path(experts_from_pool[0]))
-        return model.eval(), [pool_state(pool, f) for f in experts_from_pool], 0
-    states, passes, model = [], 0, None
-    for t, name in enumerate(stream):
-        model, _, st, info = sequential_lora(pool, base, [name], train_pairs, steps, batch, lr,
-                                             seed + t)
-        states.append(st[0])
-        passes += info["passes"]
-    return model, states, passes
 
 
 # -- MoE of LoRAs ----------------------------------------------------------------------------

@@ -1,0 +1,513 @@
+"""InduceKV (paper 01, ``papers/01-inducekv.md``): the harness of notebook 01-inducekv.
+
+The method (memory entries, the cache they are written into, the bilevel selection, the stream
+under a byte budget) lives in :mod:`workbench.methods.inducekv`; the baselines' building blocks
+(LoRA bytes and states, the MoE router, the L2P prompt pool) in
+:mod:`workbench.methods.inducekv_baselines`. Here is what the notebook runs with them:
+
+- the task stream and its data (held-out test problems, candidate prefixes and probes, LoRA
+  training pairs), from space-separated family specs;
+- the C1 equivalence checks (entry vs prefix text, two entries end to end, ``generate``);
+- InduceKV on every scenario, and the selection and calibration contrasts (C4);
+- the baselines at the same budget (sequential LoRA, replay, MoE of LoRAs, an L2P prompt pool),
+  their trained states cached by a key of everything that changes them (:func:`cached_states`,
+  :func:`workbench.cache.build`), and their accuracy matrices;
+- the diagnostics of C5 (a compute-matched LoRA, bounded pools, smaller budgets, more entries
+  retrieved) and the footprint traces of C2.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from peft import PeftModel
+
+from workbench import cache
+from workbench.data import packing, tasks
+from workbench.evaluate import MIDDLE, heldout_examples
+from workbench.methods import inducekv as K
+from workbench.methods import inducekv_baselines as KB
+from workbench.models import adapters, zoo
+
+__all__ = ["parse_stream", "scenarios", "frozen_backbone", "task_data", "data_summary",
+           "equivalence_table", "two_entries_diff", "generate_matches", "run_inducekv",
+           "cache_path", "cached_states", "sequential_lora", "moe_experts", "lora_pool",
+           "lora_matrix", "lora_baselines", "l2p_baseline", "results_table", "c3_summary",
+           "selection_runs", "selection_table", "calibration_summary", "compute_matched_lora",
+           "diagnostics", "footprint", "slug"]
+
+
+# -- the stream and its data ---------------------------------------------------------------------
+def parse_stream(spec: str) -> list[tuple[str, str, int]]:
+    """'sub sort@4' -> [(name, family, difficulty)]; a bare family runs at its middle level.
+    (Spaces, not commas: a comma list on the command line is a grid of jobs.)"""
+    out = []
+    for item in spec.split():
+        fam, _, d = item.partition("@")
+        tasks.get(fam)
+        out.append((item, fam, int(d) if d else MIDDLE[fam]))
+    return out
+
+
+def scenarios(stream: str, domain_stream: str = "") -> dict[str, list[tuple[str, str, int]]]:
+    """The task-incremental stream, and the domain-incremental one when it is given."""
+    out = {"task-incremental": parse_stream(stream)}
+    if domain_stream:
+        out["domain-incremental"] = parse_stream(domain_stream)
+    return out
+
+
+def frozen_backbone(model: str, scale: str):
+    """The zoo backbone ``model`` at ``scale`` with every parameter frozen: ``(lm, tok)``."""
+    lm, tok = zoo.load(model, scale)
+    for p in lm.parameters():
+        p.requires_grad_(False)
+    return lm, tok
+
+
+def task_data(tok, scens: dict, sizes: dict, seed: int, with_steps: bool) -> dict[str, dict]:
+    """Per task of every scenario: ``test`` (the pool card's held-out problems), ``pool`` and
+    ``probes`` (candidate prefixes and likelihood probes, never a test prompt, one seeded
+    permutation shared by the stream), ``train`` and ``pairs`` (LoRA training examples at every
+    difficulty of the family, as the pool trained, or at the one level named)."""
+    rs = np.random.default_rng(seed)
+    data = {}
+    for items in scens.values():
+        for name, fam, d in items:
+            test = heldout_examples(fam, d, sizes["n_test"], seed=999)[0]
+            banned = {e.prompt for e in test}
+            cand = [e for e in tasks.generate(fam, 6 * (sizes["n_pool"] + sizes["n_probe"]),
+                                              seed + 100, d) if e.prompt not in banned]
+            cand = list({e.prompt: e for e in cand}.values())
+            pick = rs.permutation(len(cand))
+            levels = [d] if "@" in name else tasks.get(fam).difficulties
+            train = [e for lv in levels for e in tasks.generate(
+                fam, -(-sizes["lora_train"] // len(levels)), seed + 200, lv)
+                if e.prompt not in banned]
+            n_pool = sizes["n_pool"]
+            data[name] = {"family": fam, "difficulty": d, "test": test,
+                          "pool": [cand[i] for i in pick[:n_pool]],
+                          "probes": [cand[i] for i in pick[n_pool: n_pool + sizes["n_probe"]]],
+                          "train": train,
+                          "pairs": packing.encode(tok, [e.prompt for e in train],
+                                                  [e.completion(with_steps) for e in train])}
+    return data
+
+
+def data_summary(scens: dict, data: dict) -> pd.DataFrame:
+    """One row per task: scenario, family, difficulty and the sizes of its splits."""
+    return pd.DataFrame([{"scenario": s, "task": n, "family": f, "difficulty": d,
+                          "test": len(data[n]["test"]), "candidates": len(data[n]["pool"]),
+                          "probes": len(data[n]["probes"]), "lora_examples": len(data[n]["pairs"])}
+                         for s, items in scens.items() for n, f, d in items])
+
+
+def slug(text: str) -> str:
+    """A metric-name part: spaces and punctuation to underscores ("LoRA, compute-matched" ->
+    "LoRA_compute_matched")."""
+    out = "".join(c if c.isalnum() else "_" for c in text)
+    while "__" in out:
+        out = out.replace("__", "_")
+    return out.strip("_")
+
+
+# -- C1: an entry is its prefix in context -------------------------------------------------------
+def _query_ids(tok, text: str) -> list[int]:
+    return [tok.bos_token_id] + tok(text, add_special_tokens=False)["input_ids"]
+
+
+@torch.no_grad()
+def equivalence_table(lm, tok, data: dict, names: list[str], with_steps: bool) -> pd.DataFrame:
+    """For every (prefix task, query task) pair: the largest logit and hidden-state differences
+    between the backbone on the concatenated text and the query on top of the prefix's entry,
+    the logit scale, and the difference when the query wrongly sits at positions 0.. (the
+    rotary mistake: keys were stored rotated at their own positions)."""
+    rows = []
+    for a in names:
+        for b in names:
+            pre, q = data[a]["pool"][0], data[b]["test"][0]
+            e = K.make_entry(lm, tok, pre, a, with_steps)
+            qi = _query_ids(tok, q.prompt + q.completion(with_steps))
+            full = lm(input_ids=torch.tensor([e.ids + qi]), output_hidden_states=True)
+            cached = K.forward_with_entries(lm, [e], torch.tensor([qi]), output_hidden_states=True)
+            cache_, _ = K.build_cache(lm, [e])
+            wrong = lm(input_ids=torch.tensor([qi]), cache=cache_,
+                       position_ids=torch.arange(len(qi))[None]).logits[0]
+            dl = float((full.logits[0, e.length:] - cached.logits[0]).abs().max())
+            dh = max(float((hf[0, e.length:] - hc[0]).abs().max())
+                     for hf, hc in zip(full.hidden_states, cached.hidden_states))
+            rows.append({"prefix": a, "query": b, "prefix_tokens": e.length, "max_logit_diff": dl,
+                         "max_hidden_diff_any_layer": dh,
+                         "logit_scale": float(full.logits[0, e.length:].abs().max()),
+                         "wrong_positions_diff": float((full.logits[0, e.length:] - wrong)
+                                                       .abs().max())})
+    return pd.DataFrame(rows)
+
+
+@torch.no_grad()
+def two_entries_diff(lm, tok, data: dict, names: list[str], with_steps: bool) -> float:
+    """Two entries end to end against the concatenated prefixes under a 4-D mask in which each
+    prefix sees only itself (and the query sees both): the largest logit difference."""
+    ea, eb = (K.make_entry(lm, tok, data[n]["pool"][1], n, with_steps) for n in names[:2])
+    qi = _query_ids(tok, data[names[-1]]["test"][1].prompt)
+    n_all = ea.length + eb.length + len(qi)
+    allowed = torch.tril(torch.ones(n_all, n_all, dtype=torch.bool))
+    allowed[ea.length: ea.length + eb.length, : ea.length] = False
+    mask = torch.zeros(1, 1, n_all, n_all).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    ref = lm(input_ids=torch.tensor([ea.ids + eb.ids + qi]), attention_mask=mask,
+             position_ids=torch.arange(n_all)[None]).logits[0, -len(qi):]
+    two = K.forward_with_entries(lm, [ea, eb], torch.tensor([qi])).logits[0]
+    return float((ref - two).abs().max())
+
+
+def generate_matches(lm, tok, data: dict, names: list[str], with_steps: bool,
+                     per_task: int = 2, max_new_tokens: int = 12) -> list[bool]:
+    """Greedy ``generate`` with the entry's cache injected against ``generate`` on the full
+    text, for ``per_task`` test prompts of every task: whether the tokens are identical."""
+    same = []
+    for n in names:
+        e = K.make_entry(lm, tok, data[n]["pool"][2], n, with_steps)
+        for q in data[n]["test"][:per_task]:
+            ids = torch.tensor([e.ids + _query_ids(tok, q.prompt)])
+            kw = dict(max_new_tokens=max_new_tokens, do_sample=False,
+                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+            g_full = lm.generate(ids, **kw)
+            g_cache = lm.generate(ids, cache=K.build_cache(lm, [e])[0], **kw)
+            same.append(bool(torch.equal(g_full, g_cache)))
+    return same
+
+
+# -- InduceKV on the stream ----------------------------------------------------------------------
+def run_inducekv(lm, tok, scens: dict, data: dict, budget: int, sizes: dict, seed: int,
+                 with_steps: bool):
+    """Per scenario: every task's candidates prepared (:func:`K.prepare`), then the stream under
+    ``budget`` with bilevel selection, also evaluated with raw cosine retrieval. Returns
+    ``(prepared, query_keys, outputs)``, each keyed by scenario (the query keys are filled by the
+    run and reused by every later run on the same tests)."""
+    prep, qk, ikv = {}, {}, {}
+    for scen, items in scens.items():
+        prep[scen] = [K.prepare(lm, tok, n, data[n]["pool"], data[n]["probes"], with_steps)
+                      for n, _, _ in items]
+        qk[scen] = {}
+        ikv[scen] = K.run_stream(lm, tok, prep[scen], {n: data[n]["test"] for n, _, _ in items},
+                                 budget, "bilevel", sizes["top_k"], with_steps=with_steps,
+                                 seed=seed, calib_steps=sizes["calib_steps"], also_raw=True,
+                                 query_cache=qk[scen])
+    return prep, qk, ikv
+
+
+# -- cached baseline runs ------------------------------------------------------------------------
+def cache_path(kind: str, spec: dict) -> Path:
+    """``<zoo>/inducekv/<kind>-<key>``: the key is the sha1 of ``spec``'s JSON (10 hex digits;
+    the folders the notebook has always used, so no cached state is trained again)."""
+    key = hashlib.sha1(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    return zoo.zoo_dir() / "inducekv" / f"{kind}-{key}"
+
+
+def cached_states(kind: str, spec: dict, build) -> list[dict]:
+    """What ``build()`` returns (per-stage state dicts), computed once and cached by ``spec``
+    (:func:`workbench.cache.build`: a file lock, a folder renamed into place)."""
+    path = cache_path(kind, spec)
+
+    def write(tmp):
+        torch.save(build(), tmp / "states.pt")
+        return spec
+
+    cache.build(path, write)
+    return torch.load(path / "states.pt", weights_only=False)
+
+
+def sequential_lora(pool, base: str, stream: list[str], train_pairs: dict, steps: int,
+                    batch: int, lr: float, seed: int, replay_per_task: int = 0,
+                    first: str | None = None, rank: int = 8, lora_scale: float = 2.0):
+    """``(peft_model, tok, states, info)``: one LoRA after each stage of ``stream`` (cached).
+
+    ``first``: the pool adapter that is stage 1 (what training a LoRA on the first task gives,
+    already cached); None trains a fresh LoRA (``rank``, ``lora_scale``) ``steps`` on it, as
+    every later stage is trained. With ``replay_per_task`` that many examples of each finished
+    task join a replay buffer that fills half of every later batch."""
+    model, tok = zoo.load(base, pool.scale)
+    if first is not None:
+        model = PeftModel.from_pretrained(model, pool.path(first), is_trainable=True)
+    else:
+        model = KB.fresh_lora(model, seed, rank, lora_scale)
+    spec = {"pool": str(pool.dir.name), "base": base, "stream": stream, "steps": steps,
+            "batch": batch, "lr": lr, "seed": seed, "replay": replay_per_task, "first": first,
+            "rank": rank, "lora_scale": lora_scale,
+            "data": {t: [len(train_pairs[t]), sum(len(i) for i, _ in train_pairs[t])]
+                     for t in stream}}
+
+    def build():
+        states, buf, buffers = [], [], []
+        for t, task in enumerate(stream):
+            if t > 0 or first is None:
+                KB.train_steps(model, train_pairs[task], steps, batch, lr, seed + 1000 * t,
+                               buf or None, tok.pad_token_id)
+            states.append(KB.lora_state(model))
+            if replay_per_task:
+                rs = np.random.default_rng(seed + t)
+                pick = rs.choice(len(train_pairs[task]), replay_per_task, replace=False)
+                buf = buf + [train_pairs[task][i] for i in pick]
+            buffers.append(sum(len(ids) for ids, _ in buf) * K.TOKEN_BYTES)
+        return {"states": states, "buffer_bytes": buffers}
+
+    kind = ("replay" if replay_per_task else "seqlora") + ("" if first else "-fresh")
+    got = cached_states(kind, spec, build)
+    n_train = sum(1 for t in range(len(stream)) if t > 0 or first is None)
+    info = {"buffer_bytes": got["buffer_bytes"], "adapter_bytes": KB.lora_bytes(model),
+            "passes": 3 * steps * batch * n_train}
+    KB.set_lora_state(model, got["states"][-1])
+    model.eval()
+    return model, tok, got["states"], info
+
+
+def moe_experts(pool, base: str, stream: list[str], train_pairs: dict, experts_from_pool,
+                steps: int, batch: int, lr: float, seed: int):
+    """``(peft_model, states, passes)``: one expert LoRA per task. ``experts_from_pool`` names
+    the pool adapter of each task (cached, no training); None trains a fresh one per task."""
+    if experts_from_pool is not None:
+        model, _ = zoo.load(base, pool.scale)
+        model = PeftModel.from_pretrained(model, pool.path(experts_from_pool[0]))
+        return model.eval(), [KB.pool_state(pool, f) for f in experts_from_pool], 0
+    states, passes, model = [], 0, None
+    for t, name in enumerate(stream):
+        model, _, st, info = sequential_lora(pool, base, [name], train_pairs, steps, batch, lr,
+                                             seed + t)
+        states.append(st[0])
+        passes += info["passes"]
+    return model, states, passes
+
+
+# -- the baselines at the same budget ------------------------------------------------------------
+def lora_pool(model: str, scale: str, scens: dict):
+    """The zoo's cached LoRA pool: every family on the pool's base; on another backbone, the
+    stream's families only."""
+    fams = None if model == adapters.POOL_BASE else sorted(
+        {f for items in scens.values() for _, f, _ in items})
+    return adapters.adapters(model, fams, model_scale=scale)
+
+
+def lora_matrix(pm, states: list[dict], stream_names: list[str], tests: dict, tok, budget: int,
+                extra_bytes, kind: str, with_steps: bool, route=None) -> dict:
+    """``acc[t, j]`` of the LoRA ``states`` after each stage on the tests of every seen task,
+    with the deployed bytes ``extra_bytes(t)`` checked against ``budget`` at every stage.
+    ``route(t, j)`` gives each query's state index (MoE); otherwise stage t's state answers."""
+    T = len(stream_names)
+    A, bud = np.full((T, T), np.nan), K.Budget(budget)
+    for t in range(T):
+        bud.check(extra_bytes(t), f"{kind} stage {t}")
+        for j, n in enumerate(stream_names[: t + 1]):
+            which = route(t, j) if route else np.full(len(tests[n]), t)
+            sc = np.zeros(len(which))
+            for r in np.unique(which):
+                KB.set_lora_state(pm, states[r])
+                idx = np.where(which == r)[0]
+                sc[idx] = K.answer_scores(pm, tok, [tests[n][i] for i in idx],
+                                          with_steps=with_steps)[1]
+            A[t, j] = sc.mean()
+    return {"acc": A, "trace": bud.trace}
+
+
+def lora_baselines(pool, model: str, scale: str, items, data: dict, prepared: list, qk: dict,
+                   tok, budget: int, sizes: dict, seed: int, with_steps: bool) -> dict:
+    """Sequential LoRA, replay and MoE of LoRAs on one scenario: ``{method: {acc, trace,
+    passes}}``. The pool's adapters seed stage 1 and the experts when every task is its own pool
+    family, and a pool adapter's training counts as the compute of the stage it stands for. The
+    MoE keeps the experts that fit beside their centroids (the oldest goes first) and routes each
+    query to the nearest centroid of the frozen retrieval keys."""
+    names_s = [n for n, _, _ in items]
+    fams = [f for _, f, _ in items]
+    pairs = {n: data[n]["pairs"] for n in names_s}
+    tests = {n: data[n]["test"] for n in names_s}
+    seeded = len(set(fams)) == len(fams) and all(f in pool.names for f in fams)
+    pool_passes = 3 * adapters.POOL_SIZES[scale].steps * adapters.POOL_SIZES[scale].batch
+    out = {}
+    for kind, replay in (("sequential LoRA", 0), ("replay", sizes["replay_per_task"])):
+        pm, _, states, info = sequential_lora(pool, model, names_s, pairs, sizes["lora_steps"],
+                                              sizes["lora_batch"], sizes["lora_lr"], seed, replay,
+                                              first=fams[0] if seeded else None)
+        out[kind] = lora_matrix(pm, states, names_s, tests, tok, budget,
+                                lambda t: info["adapter_bytes"] + info["buffer_bytes"][t], kind,
+                                with_steps)
+        out[kind]["passes"] = info["passes"] + (pool_passes if seeded else 0)
+    moe, experts, moe_passes = moe_experts(pool, model, names_s, pairs, fams if seeded else None,
+                                           sizes["lora_steps"], sizes["lora_batch"],
+                                           sizes["lora_lr"], seed)
+    per_expert = KB.lora_bytes(moe)
+    d = prepared[0].pool_keys.shape[1]
+    cap = max(1, budget // (per_expert + 4 * d))
+
+    def live(t):
+        return list(range(max(0, t + 1 - cap), t + 1))
+
+    def moe_route(t, j):
+        names_live = [names_s[i] for i in live(t)]
+        _, cents = KB.centroids({n: prepared[names_s.index(n)].pool_keys for n in names_live})
+        return np.array(live(t))[KB.route(qk[names_s[j]], cents)]
+
+    out["MoE of LoRAs"] = lora_matrix(moe, experts, names_s, tests, tok, budget,
+                                      lambda t: len(live(t)) * (per_expert + 4 * d), "MoE",
+                                      with_steps, moe_route)
+    out["MoE of LoRAs"]["passes"] = moe_passes + (pool_passes * len(fams) if seeded else 0)
+    out["MoE of LoRAs"]["experts_kept"] = len(live(len(names_s) - 1))
+    return out
+
+
+def l2p_baseline(lm, tok, names_s: list[str], data: dict, qk: dict, budget: int, sizes: dict,
+                 seed: int, with_steps: bool) -> dict:
+    """The L2P prompt pool on one scenario: trained task by task on the frozen query feature
+    (states cached per stage), then ``acc[t, j]`` with its bytes checked at every stage."""
+    torch.manual_seed(seed)
+    emb_scale = float(lm.get_input_embeddings().weight.std())
+    pp = KB.PromptPool(sizes["l2p_prompts"], sizes["l2p_length"], lm.config.hidden_size,
+                       sizes["l2p_top"], emb_scale, seed)
+    spec = {"base": lm.zoo_card["key"], "stream": names_s, "batch": sizes["lora_batch"],
+            "sizes": {k: sizes[k] for k in sizes if k.startswith("l2p")},
+            "seed": seed, "data": {n: len(data[n]["pairs"]) for n in names_s}}
+    sub = {n: data[n]["pairs"][: sizes["l2p_steps"] * 8] for n in names_s}
+
+    def build():
+        states = []
+        for t, n in enumerate(names_s):
+            q = K.query_keys(lm, tok, data[n]["train"][: len(sub[n])])
+            KB.train_l2p(lm, pp, sub[n], q, sizes["l2p_steps"], sizes["lora_batch"],
+                         sizes["l2p_lr"], seed + t, tok.pad_token_id)
+            states.append({k: v.detach().clone() for k, v in pp.state_dict().items()})
+        return states
+    states = cached_states("l2p", spec, build)
+    T = len(names_s)
+    A, bud = np.full((T, T), np.nan), K.Budget(budget)
+    for t in range(T):
+        pp.load_state_dict(states[t])
+        bud.check(pp.nbytes, f"L2P stage {t}")
+        for j, n in enumerate(names_s[: t + 1]):
+            A[t, j] = KB.l2p_scores(lm, pp, tok, data[n]["test"], qk[n], with_steps)[1].mean()
+    return {"acc": A, "trace": bud.trace,
+            "passes": 3 * sizes["l2p_steps"] * sizes["lora_batch"] * T}
+
+
+# -- the comparison (C3) -------------------------------------------------------------------------
+def results_table(results: dict, budget: int) -> pd.DataFrame:
+    """One row per (scenario, method): PyCIL's average accuracy, last accuracy, forgetting, the
+    peak deployed bytes and the example-forward passes spent adapting."""
+    return pd.DataFrame([{"scenario": scen, "method": meth,
+                          "average_accuracy": K.average_accuracy(r["acc"]),
+                          "last_accuracy": K.last_accuracy(r["acc"]),
+                          "forgetting": K.forgetting(r["acc"]),
+                          "peak_bytes": max(b for _, b in r["trace"]), "budget": budget,
+                          "passes": r["passes"]}
+                         for scen in results for meth, r in results[scen].items()])
+
+
+def c3_summary(table: pd.DataFrame, scens) -> dict[str, dict]:
+    """Per scenario: InduceKV's average accuracy and forgetting against the best baseline's, and
+    whether it beats every baseline on each."""
+    out = {}
+    for scen in scens:
+        t_ = table[table.scenario == scen].set_index("method")
+        others = t_.drop(index="InduceKV")
+        out[scen] = {"inducekv_aa": t_.loc["InduceKV", "average_accuracy"],
+                     "best_baseline_aa": others.average_accuracy.max(),
+                     "best_baseline": others.average_accuracy.idxmax(),
+                     "inducekv_forgetting": t_.loc["InduceKV", "forgetting"],
+                     "lowest_baseline_forgetting": others.forgetting.min(),
+                     "higher_aa_than_all": bool((t_.loc["InduceKV", "average_accuracy"]
+                                                 > others.average_accuracy).all()),
+                     "lower_forgetting_than_all": bool((t_.loc["InduceKV", "forgetting"]
+                                                        < others.forgetting).all())}
+    return out
+
+
+# -- selection and calibration (C4) --------------------------------------------------------------
+def selection_runs(lm, tok, prepared: list, tests: dict, budget: int, bilevel: dict, sizes: dict,
+                   seed: int, with_steps: bool, qk: dict) -> dict[str, dict]:
+    """The same candidates and budget under the three selection rules: bilevel (the run already
+    made), likelihood only, random."""
+    runs = {"bilevel": bilevel}
+    for mode in ("likelihood", "random"):
+        runs[mode] = K.run_stream(lm, tok, prepared, tests, budget, mode, sizes["top_k"],
+                                  with_steps=with_steps, seed=seed,
+                                  calib_steps=sizes["calib_steps"], query_cache=qk)
+    return runs
+
+
+def selection_table(runs: dict[str, dict]) -> pd.DataFrame:
+    """Average accuracy, forgetting, final top-1 hit rate and peak bytes per selection rule."""
+    return pd.DataFrame([{"selection": m, "average_accuracy": K.average_accuracy(o["acc"]),
+                          "forgetting": K.forgetting(o["acc"]),
+                          "final_hit_rate": np.nanmean(o["hit"][-1]),
+                          "peak_bytes": o["peak_bytes"]} for m, o in runs.items()])
+
+
+def calibration_summary(out: dict) -> dict[str, float]:
+    """The bilevel memory retrieved with the fitted calibration against raw cosine: mean top-1
+    hit rate and average accuracy."""
+    return {"calibrated_hit": float(np.nanmean(out["hit"])),
+            "raw_cosine_hit": float(np.nanmean(out["hit_raw"])),
+            "calibrated_aa": K.average_accuracy(out["acc"]),
+            "raw_cosine_aa": K.average_accuracy(out["acc_raw"])}
+
+
+# -- diagnostics (C5) and the footprint (C2) -----------------------------------------------------
+def compute_matched_lora(pool, model: str, names: list[str], data: dict, passes: int, tok,
+                         budget: int, sizes: dict, seed: int, with_steps: bool):
+    """A fresh sequential LoRA given InduceKV's ``passes`` (a step of a batch costs three
+    example-forwards): ``(steps per task, its accuracy matrix and trace, its passes)``."""
+    steps = max(1, round(passes / len(names) / (3 * sizes["lora_batch"])))
+    pm, _, st, info = sequential_lora(pool, model, names, {n: data[n]["pairs"] for n in names},
+                                      steps, sizes["lora_batch"], sizes["lora_lr"], seed)
+    cm = lora_matrix(pm, st, names, {n: data[n]["test"] for n in names}, tok, budget,
+                     lambda t: info["adapter_bytes"], "compute-matched LoRA", with_steps)
+    return steps, cm, info["passes"]
+
+
+def diagnostics(lm, tok, prepared: list, tests: dict, budget: int, ikv: dict, cm: dict,
+                cm_steps: int, sizes: dict, seed: int, with_steps: bool, qk: dict):
+    """InduceKV against the compute-matched LoRA, with bounded candidate pools, at fractions of
+    the budget and with more entries retrieved. Returns the table and the accuracy-vs-budget
+    curve ``[(budget, average accuracy, trace)]`` (the full budget first)."""
+    rows = [{"variant": "InduceKV", "knob": "full", "average_accuracy":
+             K.average_accuracy(ikv["acc"]), "peak_bytes": ikv["peak_bytes"]},
+            {"variant": "LoRA, compute-matched (fresh)", "knob": f"{cm_steps} steps/task",
+             "average_accuracy": K.average_accuracy(cm["acc"]),
+             "peak_bytes": max(b for _, b in cm["trace"])}]
+    kw = dict(with_steps=with_steps, seed=seed, calib_steps=sizes["calib_steps"], query_cache=qk)
+    for nb in sizes["pool_bounds"]:
+        bounded = [K.Prepared(P.task, P.cands[:nb], P.likelihood[:nb], P.pool_keys, P.passes)
+                   for P in prepared]
+        o = K.run_stream(lm, tok, bounded, tests, budget, "bilevel", sizes["top_k"], **kw)
+        rows.append({"variant": "InduceKV, bounded pool", "knob": f"{nb} candidates",
+                     "average_accuracy": K.average_accuracy(o["acc"]),
+                     "peak_bytes": o["peak_bytes"]})
+    curve = [(budget, K.average_accuracy(ikv["acc"]), ikv["trace"])]
+    for fr in sizes["budget_fractions"]:
+        b = int(budget * fr)
+        o = K.run_stream(lm, tok, prepared, tests, b, "bilevel", sizes["top_k"], **kw)
+        curve.append((b, K.average_accuracy(o["acc"]), o["trace"]))
+        rows.append({"variant": "InduceKV, budget", "knob": f"{fr:g} x budget",
+                     "average_accuracy": K.average_accuracy(o["acc"]),
+                     "peak_bytes": o["peak_bytes"], "budget": b})
+    for kk in sizes["k_sweep"]:
+        o = K.run_stream(lm, tok, prepared, tests, budget, "bilevel", kk, **kw)
+        rows.append({"variant": "InduceKV, top-k", "knob": f"k={kk}",
+                     "average_accuracy": K.average_accuracy(o["acc"]),
+                     "peak_bytes": o["peak_bytes"]})
+    return pd.DataFrame(rows), curve
+
+
+def footprint(results: dict, selection: dict, curve: list, budget: int):
+    """Every deployed state's trace (each method of each scenario, each selection rule, each
+    budget of the curve), its limit (the budget it ran under) and peak, and whether it stayed
+    within: ``(traces, limits, peaks, within)``."""
+    traces = {f"{scen}/{m}": r["trace"] for scen in results for m, r in results[scen].items()}
+    traces.update({f"selection/{m}": o["trace"] for m, o in selection.items()})
+    traces.update({f"budget curve/{b}": tr for b, _, tr in curve})
+    limits = {k: (int(k.split("/")[-1]) if k.startswith("budget curve") else budget)
+              for k in traces}
+    peaks = {k: max(b for _, b in tr) for k, tr in traces.items()}
+    within = {k: peaks[k] <= limits[k] for k in traces}
+    return traces, limits, peaks, within
