@@ -147,16 +147,6 @@ def cmd_run(args) -> int:
         for j in jobs:
             print(f"  {batch.job_label(j):<50} {Path(j.out).relative_to(Path(base).resolve())}")
         return 0
-    try:        # --out is taken (created, locked) only once every job is known to be valid
-        if out is None:
-            out, lock = batch.new_run_dir(project_root() / "runs", command)
-        else:
-            lock = batch.claim_run_dir(out, command)
-    except batch.RunDirError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.out is None:        # planned against a placeholder: lay the jobs out in the new dir
-        jobs = batch.plan(infos, out, scale=args.scale, raw_params=raw, seeds=seeds)
     client = None
     if executor == "dask":      # connect before anything runs: a bad address is bad input
         from . import cluster
@@ -171,6 +161,18 @@ def cmd_run(args) -> int:
         how = f"on {where}" + (f", dashboard {link}" if link else "")
     else:
         how = f"{min(n_jobs, len(jobs))} at a time"
+    try:        # --out is taken (created, locked) only once every job is known to be valid
+        if out is None:
+            out, lock = batch.new_run_dir(project_root() / "runs", command)
+        else:
+            lock = batch.claim_run_dir(out, command)
+    except batch.RunDirError as e:
+        print(f"error: {e}", file=sys.stderr)
+        if client is not None:
+            cluster.close(client)
+        return 2
+    if args.out is None:        # planned against a placeholder: lay the jobs out in the new dir
+        jobs = batch.plan(infos, out, scale=args.scale, raw_params=raw, seeds=seeds)
     batch.write_plan(out, jobs, infos, command)
     print(f"{len(jobs)} job(s) over {len({j.slug for j in jobs})} notebook(s), {how}, "
           f"timeout {args.timeout:g} s each -> {out}")
