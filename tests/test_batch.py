@@ -217,6 +217,7 @@ def test_an_interrupted_batch_keeps_finished_jobs_and_no_half_written_result(
     lines = {ln.split()[0]: ln for ln in again.stdout.splitlines() if ln[:3] in ("01-", "07-")}
     assert " cached " in lines["01-ok"] and " ok " in lines["07-half"]
     assert json.loads((half_job / "metrics.json").read_text())["metrics"]["done"] == 1
+    assert not list(out.rglob("*.partial"))     # what the killed runner left is gone (issue 30)
 
 
 @pytest.mark.slow   # papermill end to end
@@ -585,3 +586,16 @@ def test_list_fits_100_columns_and_reads_a_chosen_run_folder(tmp_path, capsys):
     (nfi,) = [ln for ln in lines if " 12-nfi " in ln]
     assert "1/2 hold, smoke s3" in nfi
     assert cli.main(["list", "--runs", str(tmp_path / "nothing")]) == 2
+
+
+def test_the_owner_of_a_folder_removes_what_a_killed_runner_left(fixture_notebooks, tmp_path,
+                                                                  monkeypatch):
+    # item 9: a runner killed with SIGKILL cannot clean up; the next run on the folder does
+    out = tmp_path / "out"
+    for stale in (".seed-0.partial", ".seed-1.old-1234abcd"):
+        (out / "01-ok" / "smoke" / stale / "figures").mkdir(parents=True)
+    (out / "01-ok" / "smoke" / "seed-5").mkdir()            # a finished job: kept
+    monkeypatch.setattr(batch, "run_batch", lambda jobs, **kw: [
+        batch.JobResult(j, "ok", 0.0) for j in jobs])
+    assert cli.main(["run", str(fixture_notebooks / "01-ok.ipynb"), "--out", str(out)]) == 0
+    assert sorted(p.name for p in (out / "01-ok" / "smoke").iterdir()) == ["seed-5"]

@@ -404,6 +404,18 @@ def claim_run_dir(out: Path, command: str = "", exclusive: bool = False):
     return fh
 
 
+def remove_stale_staging(out: Path) -> int:
+    """Remove the staging folders (``.seed-N.partial``, ``.seed-N.old-*``) that a killed runner
+    left in ``out``. Only for the owner of ``out`` (:func:`claim_run_dir`): nothing else writes
+    there. Returns how many were removed."""
+    n = 0
+    for d in sorted(Path(out).rglob(".*"), reverse=True):
+        if d.is_dir() and (d.name.endswith(".partial") or ".old-" in d.name):
+            shutil.rmtree(d, ignore_errors=True)
+            n += 1
+    return n
+
+
 def new_run_dir(base: Path, command: str = ""):
     """A fresh ``base/<YYYYmmdd-HHMMSS>`` (``-2``, ``-3``, ... when that one exists: two runs
     started in the same second never share one), created and locked. Returns (path, lock)."""

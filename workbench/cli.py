@@ -173,6 +173,7 @@ def cmd_run(args) -> int:
         return 2
     if args.out is None:        # planned against a placeholder: lay the jobs out in the new dir
         jobs = batch.plan(infos, out, scale=args.scale, raw_params=raw, seeds=seeds)
+    batch.remove_stale_staging(out)     # what a killed runner left; the folder is ours now
     batch.write_plan(out, jobs, infos, command)
     print(f"{len(jobs)} job(s) over {len({j.slug for j in jobs})} notebook(s), {how}, "
           f"timeout {args.timeout:g} s each -> {out}")
