@@ -1,9 +1,11 @@
 """Batch execution of notebooks through papermill: parameter grids, seeds, parallel jobs, resume.
 
 Each job is one notebook with one set of parameters and one seed. It ends up in its own directory
-``OUT/<slug>/<scale>[-<grid point>]/seed-<n>/`` holding the executed notebook, the papermill log,
-the notebook's ``metrics.json`` and ``figures/``, and ``job.json`` (status, duration, error, and the
-``digest`` of the notebook's content and parameters that ``--resume`` compares).
+``OUT/<slug>/<scale>[-<grid point>]/seed-<n>/`` (a grid point that a file name cannot hold as
+written, or a long one, is shortened and given a stable hash: :func:`folder_name`) holding the
+executed notebook, the papermill log, the notebook's ``metrics.json`` and ``figures/``, and
+``job.json`` (status, duration, error, and the ``digest`` of the notebook's content and
+parameters that ``--resume`` compares).
 
 A job never writes into its final directory. It runs in a staging directory (``.seed-<n>.partial``
 beside it, or a temporary directory on a Dask worker whose files are shipped back as bytes), and
@@ -11,6 +13,11 @@ when it ends the staging directory replaces the final one with ``os.replace``. S
 batch (Ctrl-C, a killed runner, a lost worker) keeps every job that finished and leaves no
 half-written ``metrics.json`` where a resume would look; a job that was cut short simply has no
 ``job.json`` and runs again.
+
+One run owns ``OUT`` while it runs (:func:`claim_run_dir`, a ``flock``), so two runs never
+delete each other's staging directories; ``plan.json`` lists every planned job for the report.
+Every value is checked against the notebook's parameters cell, declared limits included
+(``[1..]``, ``(0..1]``, ``{a|b}`` at the end of a help comment), before any job starts.
 
 Jobs run as local processes (``run_batch``, the default) or as tasks on a Dask cluster
 (:func:`workbench.cluster.run_dask`, which imports this module, never the reverse); both call
