@@ -256,7 +256,19 @@ def test_a_half_written_metrics_json_is_not_trusted(fixture_notebooks, tmp_path,
 
 
 # -- issue 30: batches that cannot hurt each other ----------------------------------------------
-from conftest import OK_BODY, make_notebook  # noqa: E402
+def _fixture_helpers():
+    """tests/conftest.py's notebook makers, loaded by path: the module name ``conftest`` may
+    be the root conftest.py when the whole suite runs."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("_batch_fixture_helpers",
+                                                  Path(__file__).with_name("conftest.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_helpers = _fixture_helpers()
+OK_BODY, make_notebook = _helpers.OK_BODY, _helpers.make_notebook
 
 LIMITS_PARAMS = ('n: int = 3  # how many [1..5]\n'
                  'lr: float = None  # learning rate (None: the default) (0..]\n'
