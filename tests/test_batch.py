@@ -448,6 +448,8 @@ def test_seeds_that_are_not_numbers_name_the_option(fixture_notebooks, tmp_path,
     assert cli.main(["run", str(fixture_notebooks / "01-ok.ipynb"), "--seeds", "x",
                      "--out", str(tmp_path / "o")]) == 2
     assert "--seeds: 'x' is not an integer" in capsys.readouterr().err
+    assert cli.main(["run", str(fixture_notebooks / "01-ok.ipynb"), "--resume"]) == 2
+    assert "--resume needs --out" in capsys.readouterr().err
 
 
 def test_a_long_value_gets_a_short_stable_folder(fixture_notebooks, tmp_path):

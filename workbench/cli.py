@@ -109,9 +109,12 @@ def cmd_run(args) -> int:
         print("error: name one or more notebooks (see `workbench list`) or pass --all",
               file=sys.stderr)
         return 2
+    if args.resume and not args.out:
+        print("error: --resume needs --out, the folder of the run to complete", file=sys.stderr)
+        return 2
     executor = "dask" if args.scheduler else args.executor
-    command = " ".join(["workbench", "run", *sys.argv[2:]]) if sys.argv[1:2] == ["run"] \
-        else "workbench run"
+    import shlex
+    command = "workbench " + shlex.join(getattr(args, "argv", None) or ["run"])
     notes: list[str] = []
     try:
         broken: list[tuple[Path, str]] = []
@@ -409,6 +412,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]
     handler = {"list": cmd_list, "new": cmd_new, "run": cmd_run, "report": cmd_report, "zoo": cmd_zoo}
     try:
         return handler[args.command](args)
