@@ -19,75 +19,22 @@ fraction of its tokens (:func:`subsample_mask`). A trace's **loss signature** is
 A teacher-selection criterion from the same signatures (:func:`teacher_scores`): the teacher whose
 traces sit lowest in the basin (smallest mean inflection loss) writes the most learnable traces.
 
-The baseline of curation cost is generate-then-filter (:func:`generate_then_filter`): sample
-candidate traces from a teacher model and score each with a judge model (its mean token
-log-likelihood), keeping the best per problem.
-
-Teachers (:func:`solver_traces`, :func:`model_traces`): the task registry's rule-based solver
-with a controlled share of corrupted traces (one step's result and the answer altered), and zoo
-models writing their own steps.
+The trace pool, its teachers, the generate-then-filter baseline and the downstream students
+are the notebook's harness: :mod:`workbench.experiments.loss_signature`.
 """
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass
-
 import numpy as np
+import torch
+from sklearn.cluster import KMeans
+from sklearn.metrics import normalized_mutual_info_score as nmi
 
-from ..data.tasks import STEP_SEP
+from ..data import packing
+from ..models.finetune import TARGETS
 
-
-@dataclass
-class Trace:
-    """One reasoning trace in the pool: a problem, a teacher's completion and what we know."""
-    prompt: str
-    completion: str
-    family: str          # the latent category
-    difficulty: int
-    teacher: str
-    correct: bool        # the verifier's verdict on the completion's final answer
-
-
-# -- teachers ---------------------------------------------------------------------------------
-
-def _corrupt(text: str, rng: random.Random) -> str:
-    """Change one digit of ``text`` (a step's result or the answer) to another digit."""
-    pos = [i for i, c in enumerate(text) if c.isdigit()]
-    if not pos:
-        return text + "1"
-    i = rng.choice(pos)
-    return text[:i] + rng.choice([d for d in "0123456789" if d != text[i]]) + text[i + 1:]
-
-
-def solver_traces(examples, noise: float, seed: int, name: str | None = None) -> list[Trace]:
-    """The rule-based solver's traces (the registry's reference steps); a share ``noise`` of them
-    corrupted: one step's result after its ``=`` and the final answer altered (a plausible,
-    wrong trace)."""
-    from ..data import tasks
-    rng = random.Random(seed)
-    out = []
-    for e in examples:
-        steps, answer = list(e.steps or []), e.target
-        if rng.random() < noise:
-            if steps:
-                j = rng.randrange(len(steps))
-                head, _, tail = steps[j].rpartition("=")
-                steps[j] = (head + "=" + _corrupt(tail, rng)) if head else _corrupt(steps[j], rng)
-            answer = _corrupt(answer, rng)
-        comp = (" " + STEP_SEP.join(steps) + " => " + answer) if steps else " " + answer
-        out.append(Trace(e.prompt, comp, e.family, e.difficulty, name or f"solver-{noise:g}",
-                         bool(tasks.score(e, comp))))
-    return out
-
-
-def model_traces(model, tok, examples, name: str, max_new_tokens: int = 48) -> list[Trace]:
-    """A zoo model's greedy traces of the problems (``transformers`` ``generate``)."""
-    from ..data import tasks
-    from ..evaluate import generate
-    comps = [c.split("\n")[0] for c in generate(model, tok, [e.prompt for e in examples],
-                                                max_new_tokens=max_new_tokens)]
-    return [Trace(e.prompt, " " + c.strip(), e.family, e.difficulty, name, bool(tasks.score(e, c)))
-            for e, c in zip(examples, comps)]
+__all__ = ["subsample_mask", "perturbed_layers", "low_rank_directions", "token_losses",
+           "masked_losses", "length_batches", "signatures", "inflection", "inflection_losses",
+           "signature_features", "cluster_nmi", "select_subset", "teacher_scores"]
 
 
 # -- token sub-sampling and perturbations -----------------------------------------------------
@@ -96,7 +43,6 @@ def subsample_mask(labels, fraction: float, seed: int, min_tokens: int = 1):
     """A boolean mask of the positions whose loss is read: per row, ``max(min_tokens,
     round(fraction * n))`` of its ``n`` labelled positions (labels != -100), drawn without
     replacement from a generator seeded by ``seed`` (the same rows give the same mask)."""
-    import torch
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
     g = torch.Generator().manual_seed(seed)
@@ -110,8 +56,6 @@ def subsample_mask(labels, fraction: float, seed: int, min_tokens: int = 1):
 
 def perturbed_layers(model) -> dict:
     """The block linears a perturbation moves (every attention and MLP projection), by name."""
-    import torch
-    from ..models.finetune import TARGETS
     return {n: m for n, m in model.named_modules()
             if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in TARGETS}
 
@@ -120,7 +64,6 @@ def low_rank_directions(model, n_dirs: int, rank: int, seed: int) -> list[dict]:
     """``n_dirs`` fixed random directions, each a rank-``rank`` matrix ``U V^T`` (Gaussian
     factors) per perturbed layer, scaled to that layer's ``||W||_F`` (so ``sigma`` is a relative
     size). Deterministic for a seed."""
-    import torch
     g = torch.Generator().manual_seed(seed)
     dirs = []
     for _ in range(n_dirs):
@@ -138,7 +81,6 @@ def low_rank_directions(model, n_dirs: int, rank: int, seed: int) -> list[dict]:
 def token_losses(model, batch: dict):
     """Next-token cross-entropy at every position, ``(B, T)``: entry ``t`` is the loss of token
     ``t`` given the ones before it (0 at ``t = 0``), so a label-aligned mask selects it."""
-    import torch
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], use_cache=False).logits[:, :-1].float()
         nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["input_ids"][:, 1:],
@@ -161,7 +103,6 @@ def length_batches(pairs: list, size: int, pad_id: int, device=None) -> tuple[li
     """``(ids, labels)`` pairs padded into batches of similar length (sorted by length, so little
     compute goes to padding); returns the batches and ``order``, the pair index of each row in
     batch order (``out[order] = rows`` puts per-row results back in pair order)."""
-    from ..data import packing
     order = np.argsort([len(p[0]) for p in pairs], kind="stable")
     batches = []
     for i in range(0, len(order), size):
@@ -175,7 +116,6 @@ def signatures(model, batches: list[dict], masks, dirs: list[dict], scales: list
     perturbed layer at ``W + sigma * Delta_j`` (weights restored after each). ``masks`` is one
     mask per batch, or a dict of such lists (several token samples read from the same forward
     passes), which gives a dict of signatures."""
-    import torch
     named = masks if isinstance(masks, dict) else {"": masks}
     layers = perturbed_layers(model)
     n = sum(len(b["input_ids"]) for b in batches)
@@ -243,8 +183,6 @@ def cluster_nmi(features, categories, n_clusters: int, seed: int,
     """k-means (``sklearn``) on the features, NMI of the clusters against the categories
     (``sklearn.metrics.normalized_mutual_info_score``), and the same NMI for randomly permuted
     categories (chance: its mean and 99th percentile)."""
-    from sklearn.cluster import KMeans
-    from sklearn.metrics import normalized_mutual_info_score as nmi
     labels = KMeans(n_clusters, n_init=10, random_state=seed).fit_predict(features)
     cats = np.asarray(categories)
     rng = np.random.default_rng(seed)
@@ -272,43 +210,3 @@ def teacher_scores(pred, teachers) -> dict:
     loss) of its traces; the lowest sits deepest in the basin and is picked."""
     pred, teachers = np.asarray(pred), np.asarray(teachers)
     return {t: float(pred[teachers == t].mean()) for t in dict.fromkeys(teachers.tolist())}
-
-
-# -- the generate-then-filter baseline --------------------------------------------------------
-
-def sequence_scores(model, tok, prompts: list[str], completions: list[str],
-                    batch: int = 128) -> "np.ndarray":
-    """A judge's score of each completion: its mean token log-likelihood under ``model``."""
-    from ..data import packing
-    pairs = packing.encode(tok, prompts, completions)
-    device = next(model.parameters()).device
-    batches, order = length_batches(pairs, batch, tok.pad_token_id, device)
-    out = np.zeros(len(pairs))
-    out[order] = np.concatenate([-masked_losses(model, b, b["labels"] != -100) for b in batches])
-    return out
-
-
-def generate_then_filter(teacher, judge, tok, examples, n_candidates: int, seed: int,
-                         max_new_tokens: int = 48, batch: int = 64) -> list[str]:
-    """The costly pipeline: ``n_candidates`` sampled traces per problem from ``teacher``
-    (``generate(do_sample=True)``), each scored by ``judge`` (:func:`sequence_scores`); the best
-    per problem is kept."""
-    import torch
-    torch.manual_seed(seed)
-    tok.padding_side = "left"
-    cands: list[list[str]] = []
-    with torch.no_grad():
-        for i in range(0, len(examples), batch):
-            chunk = [tok.bos_token + e.prompt for e in examples[i: i + batch]]
-            enc = tok(chunk, return_tensors="pt", padding=True, add_special_tokens=False)
-            enc = {k: v.to(next(teacher.parameters()).device) for k, v in enc.items()}
-            gen = teacher.generate(**enc, max_new_tokens=max_new_tokens, do_sample=True,
-                                   top_k=0, num_return_sequences=n_candidates,
-                                   pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-            texts = tok.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-            cands += [[" " + t.split("\n")[0].strip() for t in texts[k: k + n_candidates]]
-                      for k in range(0, len(texts), n_candidates)]
-    flat_p = [e.prompt for e, cs in zip(examples, cands) for _ in cs]
-    flat_c = [c for cs in cands for c in cs]
-    sc = sequence_scores(judge, tok, flat_p, flat_c).reshape(len(examples), n_candidates)
-    return [cs[int(np.argmax(s))] for cs, s in zip(cands, sc)]

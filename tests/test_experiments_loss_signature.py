@@ -1,0 +1,75 @@
+"""The harness of notebook 18: the trace pool (problems, teachers, true difficulty), signatures
+back in pool order, and the difficulty correlations."""
+import numpy as np
+import pandas as pd
+import pytest
+
+from workbench.data import packing, tasks
+from workbench.experiments import loss_signature as ex
+from workbench.methods import loss_signature as ls
+from workbench.models import zoo
+
+
+def test_problems_come_from_disjoint_sides_n_per_level():
+    rng = np.random.default_rng(0)
+    train = ex.draw_problems(["add", "count"], 3, "train", rng)
+    test = ex.draw_problems(["add", "count"], 2, "test", rng)
+    levels = sum(len(tasks.get(f).difficulties) for f in ("add", "count"))
+    assert len(train) == 3 * levels and len(test) == 2 * levels
+    assert not {e.prompt for e in train} & {e.prompt for e in test}
+    again = ex.draw_problems(["add", "count"], 3, "train", np.random.default_rng(0))
+    assert [e.prompt for e in again] == [e.prompt for e in train]
+
+
+def test_solver_noise_controls_the_share_of_wrong_traces():
+    exs = [e for f in ("add", "sub", "chain", "count") for e in tasks.generate(f, 200, seed=1)]
+    clean = ex.solver_traces(exs, 0.0, seed=0)
+    assert all(t.correct for t in clean)
+    assert [t.completion for t in clean] == [e.completion(True) for e in exs]
+    noisy = ex.solver_traces(exs, 0.3, seed=0)
+    wrong = 1 - np.mean([t.correct for t in noisy])
+    assert 0.25 < wrong < 0.35
+    # a corrupted trace keeps its shape: as many steps, only digits changed
+    for t, e in zip(noisy, exs):
+        assert t.completion.count(";") == e.completion(True).count(";")
+
+
+def test_pool_level_spans_each_family_from_0_to_1():
+    exs = ex.draw_problems(["add", "count"], 1, "train", np.random.default_rng(0))
+    pool = ex.pool_frame(ex.solver_traces(exs, 0.0, 0, "solver"))
+    for f, g in pool.groupby("family"):
+        assert g.level.min() == 0.0 and g.level.max() == 1.0
+        # the level orders as the difficulty does
+        assert (np.diff(g.sort_values("difficulty").level.to_numpy()) > 0).all()
+
+
+def test_signatures_come_back_in_pool_order():
+    """Batches are sorted by length; the rows must return to the traces' order: with every
+    labelled token read, sigma = 0 is each trace's own unperturbed loss."""
+    model, tok = zoo.load("lm-micro")
+    exs = tasks.generate("add", 4, seed=0, difficulty=1) + tasks.generate("chain", 4, seed=0,
+                                                                          difficulty=3)
+    traces = ex.solver_traces(exs[::-1], 0.0, 0, "solver")      # long ones first
+    sigs, tokens = ex.pool_signatures(model, tok, traces, [1.0], 2, 2, [0.0, 0.3], seed=0,
+                                      device="cpu", batch=3)
+    assert sigs[1.0].shape == (8, 2, 2)
+    for i, t in enumerate(traces):
+        b = packing.pad(packing.encode(tok, [t.prompt], [t.completion]), tok.pad_token_id)
+        alone = ls.masked_losses(model, b, b["labels"] != -100)[0]
+        assert sigs[1.0][i, :, 0] == pytest.approx([alone, alone], rel=1e-4)
+    read, labelled = tokens[1.0]
+    assert read == labelled > 0
+
+
+def test_difficulty_correlations_see_a_planted_proxy():
+    rng = np.random.default_rng(0)
+    level = np.repeat(np.linspace(0, 1, 5), 20)
+    pool = pd.DataFrame({"level": level, "pred": level + 0.1 * rng.normal(size=100),
+                         "teacher": np.tile(["a", "b"], 50), "family": np.repeat(["x", "y"], 50)})
+    sig = rng.normal(size=(100, 2, 3)) + 1                       # sigma = 0: noise only
+    few = np.stack([np.outer(level, [1, 2, 4])] * 2, 1)           # convex in sigma everywhere
+    r = ex.difficulty_correlations(pool, sig, few, [0.0, 0.1, 0.2], 200, seed=0)
+    assert r["main"]["rho"] > 0.9 and r["main"]["low"] > 0.8
+    assert abs(r["unperturbed"]["rho"]) < 0.3
+    assert r["few"]["rho"] > 0.99                               # the steepest rise scales with level
+    assert set(r["within"]) == {"a", "b", "x", "y"}

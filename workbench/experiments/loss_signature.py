@@ -1,0 +1,232 @@
+"""The harness of notebook 18 (paper 18, "Predicting reasoning-data quality from low-rank loss
+signatures", ``papers/18-loss-signature-curation.md``).
+
+What the notebook drives around the method (:mod:`workbench.methods.loss_signature`):
+
+- the trace pool: problems drawn per (family, difficulty) level from the disjoint train and
+  held-out sides (:func:`draw_problems`), three teachers of controlled quality writing one trace
+  each (:func:`solver_traces`, :func:`model_traces`, :func:`teacher_pool`), as a table
+  (:func:`pool_frame`);
+- the brief adaptation of the student (:func:`adapt`) and the signatures of the whole pool in
+  pool order, read on several token fractions from the same forward passes
+  (:func:`pool_signatures`);
+- the difficulty correlations of C1 (:func:`difficulty_correlations`) and the 2-d view of the
+  clustered signatures for C2 (:func:`signature_embedding`);
+- the generate-then-filter baseline of curation cost (:func:`generate_then_filter`, judged by
+  :func:`sequence_scores`);
+- the downstream students: cached ``peft`` LoRA SFT on a subset of the pool, scored by exact
+  match on held-out problems (:func:`student_accuracy`, :func:`subset_students`).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+import pandas as pd
+import torch
+from sklearn.decomposition import PCA
+
+from .. import evaluate
+from ..data import packing, tasks
+from ..data.tasks import STEP_SEP
+from ..diagnostics import spearman_ci
+from ..methods import loss_signature as ls
+from ..models import finetune
+
+__all__ = ["Trace", "draw_problems", "solver_traces", "model_traces", "teacher_pool",
+           "pool_frame", "adapt", "pool_signatures", "difficulty_correlations", "signature_embedding",
+           "sequence_scores", "generate_then_filter", "student_accuracy", "subset_students"]
+
+CACHE_GROUP = "loss-signature"      # cache.folder of the downstream students' LoRA fine-tunes
+
+
+# -- the trace pool -----------------------------------------------------------------------------
+
+@dataclass
+class Trace:
+    """One reasoning trace in the pool: a problem, a teacher's completion and what we know."""
+    prompt: str
+    completion: str
+    family: str          # the latent category
+    difficulty: int
+    teacher: str
+    correct: bool        # the verifier's verdict on the completion's final answer
+
+
+def draw_problems(families, n: int, side: str, rng: np.random.Generator) -> list:
+    """``n`` problems per (family, difficulty) level from one side of ``tasks.problem_split``
+    (``"train"`` or ``"test"``: disjoint), drawn without replacement by ``rng``."""
+    out = []
+    for f in families:
+        for d in tasks.get(f).difficulties:
+            pool = tasks.problem_split(f, d)[0 if side == "train" else 1]
+            out += [pool[i] for i in rng.permutation(len(pool))[:n]]
+    return out
+
+
+def _corrupt(text: str, rng: random.Random) -> str:
+    """Change one digit of ``text`` (a step's result or the answer) to another digit."""
+    pos = [i for i, c in enumerate(text) if c.isdigit()]
+    if not pos:
+        return text + "1"
+    i = rng.choice(pos)
+    return text[:i] + rng.choice([d for d in "0123456789" if d != text[i]]) + text[i + 1:]
+
+
+def solver_traces(examples, noise: float, seed: int, name: str | None = None) -> list[Trace]:
+    """The rule-based solver's traces (the registry's reference steps); a share ``noise`` of them
+    corrupted: one step's result after its ``=`` and the final answer altered (a plausible,
+    wrong trace)."""
+    rng = random.Random(seed)
+    out = []
+    for e in examples:
+        steps, answer = list(e.steps or []), e.target
+        if rng.random() < noise:
+            if steps:
+                j = rng.randrange(len(steps))
+                head, _, tail = steps[j].rpartition("=")
+                steps[j] = (head + "=" + _corrupt(tail, rng)) if head else _corrupt(steps[j], rng)
+            answer = _corrupt(answer, rng)
+        comp = (" " + STEP_SEP.join(steps) + " => " + answer) if steps else " " + answer
+        out.append(Trace(e.prompt, comp, e.family, e.difficulty, name or f"solver-{noise:g}",
+                         bool(tasks.score(e, comp))))
+    return out
+
+
+def model_traces(model, tok, examples, name: str, max_new_tokens: int = 48) -> list[Trace]:
+    """A zoo model's greedy traces of the problems (``transformers`` ``generate``)."""
+    comps = [c.split("\n")[0] for c in evaluate.generate(model, tok, [e.prompt for e in examples],
+                                                         max_new_tokens=max_new_tokens)]
+    return [Trace(e.prompt, " " + c.strip(), e.family, e.difficulty, name, bool(tasks.score(e, c)))
+            for e, c in zip(examples, comps)]
+
+
+def teacher_pool(problems, teacher_lm, tok, noise: float, seed: int, teacher_name: str) -> list[Trace]:
+    """One trace per problem from each of the three teachers, in this order: the clean solver
+    (``solver``), the solver with a share ``noise`` corrupted (``solver-noisy``) and the model
+    ``teacher_lm`` (named ``teacher_name``)."""
+    return (solver_traces(problems, 0.0, seed, "solver")
+            + solver_traces(problems, noise, seed + 1, "solver-noisy")
+            + model_traces(teacher_lm, tok, problems, teacher_name))
+
+
+def pool_frame(traces: list[Trace]) -> pd.DataFrame:
+    """The pool as a table, one row per trace, with ``level``: the true difficulty, the rank of
+    the trace's difficulty within its family, scaled to [0, 1]."""
+    pool = pd.DataFrame([t.__dict__ for t in traces])
+    pool["level"] = [tasks.get(f).difficulties.index(d) / (len(tasks.get(f).difficulties) - 1)
+                     for f, d in zip(pool.family, pool.difficulty)]
+    return pool
+
+
+# -- adaptation and signatures ------------------------------------------------------------------
+
+def adapt(student_lm, tok, traces: list[Trace], rng: np.random.Generator, rank: int, steps: int,
+          seed: int, batch: int = 16):
+    """The brief adaptation: a ``peft`` LoRA trained for ``steps`` on a random quarter of the
+    traces (at least 32, drawn by ``rng``), merged into the weights. ``peft`` wraps
+    ``student_lm`` in place, so the returned model is ``student_lm`` itself, adapted."""
+    warm = rng.permutation(len(traces))[: max(32, len(traces) // 4)]
+    adapted, _ = finetune.train_lora(student_lm, tok, [traces[i].prompt for i in warm],
+                                     [traces[i].completion for i in warm],
+                                     finetune.LoraSettings(rank=rank, steps=steps, batch=batch,
+                                                           seed=seed))
+    return adapted.merge_and_unload().eval()
+
+
+def pool_signatures(model, tok, traces: list[Trace], fractions, n_dirs: int, dir_rank: int,
+                    scales, seed: int, device, batch: int = 128) -> tuple[dict, dict]:
+    """The loss signatures of every trace, ``{fraction: (n_traces, n_dirs, n_scales)}`` in pool
+    order, each fraction of the labelled tokens read from the same forward passes; and the
+    token counts ``{fraction: (read, labelled)}``."""
+    pairs = packing.encode(tok, [t.prompt for t in traces], [t.completion for t in traces])
+    batches, order = ls.length_batches(pairs, batch, tok.pad_token_id, device)
+    masks = {f: [ls.subsample_mask(b["labels"].cpu(), f, seed + i).to(device)
+                 for i, b in enumerate(batches)] for f in dict.fromkeys(fractions)}
+    dirs = ls.low_rank_directions(model, n_dirs, dir_rank, seed)
+    sigs = {}
+    for f, v in ls.signatures(model, batches, masks, dirs, scales).items():
+        sigs[f] = np.empty_like(v)
+        sigs[f][order] = v                      # back from length order to pool order
+    n_label = int(sum((b["labels"] != -100).sum() for b in batches))
+    return sigs, {f: (int(sum(m.sum() for m in ms)), n_label) for f, ms in masks.items()}
+
+
+def difficulty_correlations(pool: pd.DataFrame, sig, sig_few, scales, n_resamples: int,
+                            seed: int) -> dict:
+    """C1's Spearman correlations with the level (``spearman_ci``, bootstrap interval): of the
+    inflection-point loss ``pool.pred`` (``main``), of the unperturbed loss (sigma = 0,
+    ``unperturbed``), of the inflection loss read on fewer tokens (``sig_few``, ``few``), and
+    within each teacher and family (``within``: rho only)."""
+    ci = partial(spearman_ci, n_resamples=n_resamples, seed=seed)
+    within = {k: ci(g.level, g.pred)["rho"] for k, g in pool.groupby("teacher")}
+    within.update({k: ci(g.level, g.pred)["rho"] for k, g in pool.groupby("family")})
+    return {"main": ci(pool.level, pool.pred), "unperturbed": ci(pool.level, sig[:, :, 0].mean(1)),
+            "few": ci(pool.level, ls.inflection_losses(sig_few, scales)), "within": within}
+
+
+def signature_embedding(features, seed: int) -> np.ndarray:
+    """The clustered signature features projected on their first two principal components
+    (``sklearn`` PCA), for the C2 scatter plots."""
+    return PCA(2, random_state=seed).fit_transform(features)
+
+
+# -- the generate-then-filter baseline ----------------------------------------------------------
+
+def sequence_scores(model, tok, prompts: list[str], completions: list[str],
+                    batch: int = 128) -> np.ndarray:
+    """A judge's score of each completion: its mean token log-likelihood under ``model``."""
+    pairs = packing.encode(tok, prompts, completions)
+    device = next(model.parameters()).device
+    batches, order = ls.length_batches(pairs, batch, tok.pad_token_id, device)
+    out = np.zeros(len(pairs))
+    out[order] = np.concatenate([-ls.masked_losses(model, b, b["labels"] != -100)
+                                 for b in batches])
+    return out
+
+
+def generate_then_filter(teacher, judge, tok, examples, n_candidates: int, seed: int,
+                         max_new_tokens: int = 48, batch: int = 64) -> list[str]:
+    """The costly pipeline: ``n_candidates`` sampled traces per problem from ``teacher``
+    (``generate(do_sample=True)``), each scored by ``judge`` (:func:`sequence_scores`); the best
+    per problem is kept."""
+    torch.manual_seed(seed)
+    tok.padding_side = "left"
+    cands: list[list[str]] = []
+    with torch.no_grad():
+        for i in range(0, len(examples), batch):
+            chunk = [tok.bos_token + e.prompt for e in examples[i: i + batch]]
+            enc = tok(chunk, return_tensors="pt", padding=True, add_special_tokens=False)
+            enc = {k: v.to(next(teacher.parameters()).device) for k, v in enc.items()}
+            gen = teacher.generate(**enc, max_new_tokens=max_new_tokens, do_sample=True,
+                                   top_k=0, num_return_sequences=n_candidates,
+                                   pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+            texts = tok.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            cands += [[" " + t.split("\n")[0].strip() for t in texts[k: k + n_candidates]]
+                      for k in range(0, len(texts), n_candidates)]
+    flat_p = [e.prompt for e, cs in zip(examples, cands) for _ in cs]
+    flat_c = [c for cs in cands for c in cs]
+    sc = sequence_scores(judge, tok, flat_p, flat_c).reshape(len(examples), n_candidates)
+    return [cs[int(np.argmax(s))] for cs, s in zip(cands, sc)]
+
+
+# -- downstream students ------------------------------------------------------------------------
+
+def student_accuracy(student: str, scale: str, traces: list[Trace], idx, tok, test,
+                     sft: finetune.LoraSettings, tag: str, device) -> tuple[float, bool]:
+    """A student (the zoo model ``student`` with a cached ``peft`` LoRA SFT on the traces
+    ``idx``) scored by exact match, with steps, on the held-out problems ``test``; and whether
+    the fine-tune came from the cache."""
+    model, _, info = finetune.cached_lora(student, scale, [traces[i].prompt for i in idx],
+                                          [traces[i].completion for i in idx], sft, tag=tag,
+                                          group=CACHE_GROUP, device=device)
+    return evaluate.exact_match(model, tok, test, with_steps=True), info["cached"]
+
+
+def subset_students(student: str, scale: str, traces: list[Trace], subsets: dict, tok, test,
+                    sft: finetune.LoraSettings, tag: str, device) -> dict:
+    """:func:`student_accuracy` of one student per named subset of the traces, in order."""
+    return {name: student_accuracy(student, scale, traces, idx, tok, test, sft, tag, device)[0]
+            for name, idx in subsets.items()}
