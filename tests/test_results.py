@@ -104,3 +104,8 @@ def test_compare_reports_moved_metrics_and_verdicts_not_timings(tmp_path):
     assert any("metric curve.1" in line for line in lines)
     assert compare.compare(a, c, tol=1e-3)[0] == ["99-demo/smoke/seed-0: claim C1: holds True -> False"]
     assert compare.main([str(a), str(a)]) == 0 and compare.main([str(a), str(c)]) == 1
+    more = json.loads((a / "99-demo/smoke/seed-0/metrics.json").read_text())
+    more["metrics"]["new"] = 1.0                       # recorded for the prose: added, not moved
+    assert compare.diff_metrics(json.loads((a / "99-demo/smoke/seed-0/metrics.json").read_text()),
+                                more) == []
+    assert compare.added_metrics({"metrics": {}}, more) == ["acc", "curve.0", "curve.1", "new"]

@@ -4,8 +4,10 @@
 folders (``<slug>/<params>/seed-N/``), pairs the jobs, and prints each metric whose value differs
 by more than ``--tol`` (relative) and each claim whose verdict differs, then one summary line;
 exit status 1 when anything differs. Timings (``duration_s``, names ending ``_s``, ``seconds``,
-``_time``) are left out: they measure the machine, not the experiment. A refactor that must not
-move a number is checked with ``--tol 0``.
+``_time``) are left out: they measure the machine, not the experiment. A metric that only the
+second run records is listed as added, not as a difference (a refactor may record more numbers
+for its prose; it may not move one). A refactor that must not move a number is checked with
+``--tol 0``.
 
 Torch-free.
 """
@@ -17,7 +19,7 @@ import math
 import sys
 from pathlib import Path
 
-__all__ = ["load_runs", "is_timing", "diff_metrics", "compare", "main"]
+__all__ = ["load_runs", "is_timing", "diff_metrics", "added_metrics", "compare", "main"]
 
 TIMING_SUFFIXES = ("_s", "_seconds", "seconds", "_time", "_sec", "_ms")
 
@@ -68,8 +70,10 @@ def diff_metrics(before: dict, after: dict, tol: float = 0.0) -> list[str]:
     ma = {k: v for k, v in _flat(before.get("metrics", {})) if not is_timing(k)}
     mb = {k: v for k, v in _flat(after.get("metrics", {})) if not is_timing(k)}
     for k in sorted(set(ma) | set(mb)):
-        if k not in ma or k not in mb:
-            lines.append(f"metric {k}: {'missing before' if k not in ma else 'missing after'}")
+        if k not in ma:
+            continue                                  # added: counted by added_metrics
+        if k not in mb:
+            lines.append(f"metric {k}: missing after")
         elif _differs(ma[k], mb[k], tol):
             lines.append(f"metric {k}: {ma[k]!r} -> {mb[k]!r}")
     ca = {c["id"]: c for c in before.get("claims", [])}
@@ -87,6 +91,12 @@ def diff_metrics(before: dict, after: dict, tol: float = 0.0) -> list[str]:
                 lines.append(f"claim {cid} evidence {k}: {ea.get(k, '(none)')!r} -> "
                              f"{eb.get(k, '(none)')!r}")
     return lines
+
+
+def added_metrics(before: dict, after: dict) -> list[str]:
+    """Metrics only ``after`` records (new numbers, not moved ones)."""
+    ma = {k for k, _ in _flat(before.get("metrics", {}))}
+    return sorted(k for k, _ in _flat(after.get("metrics", {})) if k not in ma and not is_timing(k))
 
 
 def compare(before: Path, after: Path, tol: float = 0.0, only=None) -> tuple[list[str], int]:
@@ -117,9 +127,13 @@ def main(argv=None) -> int:
             print(f"error: {d} is not a run folder", file=sys.stderr)
             return 2
     lines, n = compare(args.before, args.after, args.tol, args.only)
+    a, b = load_runs(args.before), load_runs(args.after)
+    added = sum(len(added_metrics(a[j], b[j])) for j in set(a) & set(b)
+                if not args.only or j.split("/")[0] in args.only)
     print("\n".join(lines))
     print(f"{n} jobs compared, {len(lines)} differences" + (f" (tol {args.tol})" if args.tol else
-                                                             " (exact)"))
+                                                             " (exact)")
+          + f"; {added} metrics recorded only after (added, not moved)")
     return 1 if lines else 0
 
 
