@@ -33,8 +33,19 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from sklearn.cluster import KMeans
+from sklearn.linear_model import LogisticRegression
+from sklearn.metrics import balanced_accuracy_score, silhouette_score
+from sklearn.model_selection import train_test_split
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
 
 from workbench.data.patterns import PatternTask
+
+__all__ = ["PatternRNN", "states_with", "train_classifier", "accuracy", "next_token_loss",
+           "train_next_token", "optimal_next_token_loss", "probe_accuracy", "fixed_probe",
+           "prefix_purity", "best_k", "participation_ratio", "leading_projection", "corr",
+           "bulk_edge", "n_outliers", "scaffold", "add_scaffold"]
 
 
 # -- the model ---------------------------------------------------------------------------------
@@ -211,11 +222,6 @@ def probe_accuracy(x, y, seed: int = 0, test_frac: float = 0.5, C: float = 1.0) 
 
     Chance is 1 / (number of classes) whatever the base rates; a constant ``y`` gives 1.0.
     """
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.metrics import balanced_accuracy_score
-    from sklearn.model_selection import train_test_split
-    from sklearn.pipeline import make_pipeline
-    from sklearn.preprocessing import StandardScaler
     x = np.asarray(x.detach() if torch.is_tensor(x) else x, float)
     y = np.asarray(y.detach() if torch.is_tensor(y) else y)
     if len(np.unique(y)) < 2:
@@ -234,10 +240,6 @@ def fixed_probe(x_fit, y, conditions: dict, seed: int = 0, test_frac: float = 0.
     balanced accuracy on the held-out sequences. This asks whether the network still carries the
     variable in the code it uses, which is what an ablation of its own weights can erase.
     """
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.metrics import balanced_accuracy_score
-    from sklearn.pipeline import make_pipeline
-    from sklearn.preprocessing import StandardScaler
     y = np.asarray(y)
     order = np.random.default_rng(seed).permutation(len(y))
     n_test = int(round(test_frac * len(y)))
@@ -251,7 +253,6 @@ def fixed_probe(x_fit, y, conditions: dict, seed: int = 0, test_frac: float = 0.
 def prefix_purity(states, prefix, seed: int = 0) -> float:
     """Cluster-vs-prefix purity: k-means with k = number of distinct prefixes, then the fraction
     of states whose cluster's majority prefix is their own (1 = clusters are the tree's nodes)."""
-    from sklearn.cluster import KMeans
     x = np.asarray(states, float)
     y = np.asarray(prefix)
     k = len(np.unique(y))
@@ -263,8 +264,6 @@ def prefix_purity(states, prefix, seed: int = 0) -> float:
 
 def best_k(states, k_max: int = 8, seed: int = 0) -> int:
     """Number of clusters (2..k_max) with the highest silhouette score under k-means."""
-    from sklearn.cluster import KMeans
-    from sklearn.metrics import silhouette_score
     x = np.asarray(states, float)
     scores = [silhouette_score(x, KMeans(k, n_init=4, random_state=seed).fit_predict(x))
               for k in range(2, k_max + 1)]
