@@ -1,5 +1,5 @@
 """Properties of HTFM (paper 08): clock laws against scipy (KS), the log-signature against the
-analytic Levy area and esig, the FM target, and each metric against a known answer."""
+analytic Levy area and esig, the FM target (the metrics: tests/test_experiments_htfm.py)."""
 import math
 
 import numpy as np
@@ -106,52 +106,6 @@ def test_training_reduces_loss_and_sampling_moves_to_data():
     assert losses[-50:].mean() < 0.5 * losses[:50].mean()
     x = H.sample(model, H.Clock("constant"), 500, 8, generator=gen(7))
     assert torch.linalg.norm(x.median(0).values - torch.tensor([3.0, 0.0])) < 0.5
-
-
-# -- metrics --------------------------------------------------------------------------------------
-def test_sliced_wasserstein_matches_pot():
-    ot = pytest.importorskip("ot")
-    rng = np.random.default_rng(0)
-    x, y = rng.standard_normal((300, 3)), rng.standard_normal((200, 3)) + 0.5
-    proj = H.random_directions(3, 20, seed=1)
-    for p in (1, 2):
-        ours = H.sliced_wasserstein(x, y, projections=proj, p=p)
-        theirs = ot.sliced_wasserstein_distance(x, y, projections=proj, p=p)
-        assert abs(ours - float(theirs)) < 1e-8
-    assert H.sliced_wasserstein(x, x) < 1e-12
-
-
-def test_wasserstein_1d_shift():
-    u = np.random.default_rng(1).standard_normal(500)
-    assert abs(H.wasserstein_1d(u, u + 2.0) - 2.0) < 1e-12
-
-
-def test_mode_coverage_sees_a_dropped_mode():
-    centers = np.array([[0., 0.], [10., 0.]])
-    x = np.concatenate([np.zeros((90, 2)), np.full((10, 2), [10., 0.])])
-    full = H.mode_coverage(x, centers, [0.9, 0.1], 1.0, rare=[1])
-    dropped = H.mode_coverage(x[:90], centers, [0.9, 0.1], 1.0, rare=[1])
-    assert full["coverage"] == 1.0 and full["hit"] == 1.0
-    assert dropped["coverage"] == 0.0 and dropped["hit"] == 0.0
-
-
-def test_high_quantiles_and_error():
-    r = np.random.default_rng(2).exponential(size=200_000)
-    assert np.allclose(H.high_quantiles(r, (0.99,)), -np.log(0.01), rtol=0.03)
-    assert H.quantile_error(r, r) == 0.0
-    assert abs(H.quantile_error(2 * r, r) - math.log(2)) < 1e-12
-
-
-@pytest.mark.parametrize("a", [1.0, 1.5, 3.0])
-def test_hill_recovers_pareto_index(a):
-    x = np.random.default_rng(3).pareto(a, 100_000) + 1.0      # Pareto(a) on [1, inf)
-    assert abs(H.hill(x, k=2000) - a) < 0.08 * a
-    assert H.hill_curve(x, [500, 1000]).shape == (2,)
-
-
-def test_hill_bad_k_is_clear():
-    with pytest.raises(ValueError, match="k"):
-        H.hill(np.arange(1.0, 11.0), k=10)
 
 
 # -- data -----------------------------------------------------------------------------------------

@@ -28,18 +28,27 @@ that its correctness and cost (C2) are tested on the object the paper uses.
 Baselines: Gaussian flow matching (constant clock, no features) and a fixed Student-t source
 (inverse-gamma clock, no features): same network body, same steps, same Euler NFE grid.
 
-Metrics (each tested in ``tests/test_htfm.py``): sliced Wasserstein distance, rare-mode coverage,
-high quantiles of the radius, and the Hill tail-index estimator (REFERENCES.md, "Hill estimator").
+The metrics (sliced Wasserstein, rare-mode coverage, high quantiles, the Hill estimator) and the
+experiments of the notebook live in :mod:`workbench.experiments.htfm`.
 """
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from scipy import stats
 from torch import nn
+
+try:                        # esig: the reference log-signature (optional, the test extra)
+    import esig
+except ImportError:
+    esig = None
+
+__all__ = ["CLOCKS", "positive_stable", "Clock", "time_augmented", "sample_source", "logsig_keys",
+           "log_signature", "clock_features", "VelocityMLP", "fm_pair", "Method", "methods_for",
+           "train_fm", "sample"]
 
 CLOCKS = ("constant", "inverse_gamma", "stable")
 
@@ -121,7 +130,6 @@ class Clock:
 
     def terminal_law(self):
         """scipy's law of tau(1) (the KS reference); None for the constant clock."""
-        from scipy import stats
         if self.kind == "inverse_gamma":
             return stats.invgamma(self.param / 2, scale=self.scale * self.param / 2)
         if self.kind == "stable" and self.param < 2:
@@ -132,7 +140,6 @@ class Clock:
 
     def marginal_law(self):
         """scipy's law of one coordinate of x0 = sqrt(tau(1)) z (the KS reference of C1)."""
-        from scipy import stats
         if self.kind == "inverse_gamma":
             return stats.t(self.param, scale=math.sqrt(self.scale))
         if self.kind == "stable" and self.param < 2:
@@ -177,9 +184,7 @@ def log_signature(path: torch.Tensor, backend: str = "torch") -> torch.Tensor:
         raise ValueError(f"path must be (batch, points >= 2, d), got {tuple(path.shape)}")
     d = path.shape[-1]
     if backend == "esig":
-        try:
-            import esig
-        except ImportError:
+        if esig is None:
             raise ImportError("backend='esig' needs the esig package (the reference this "
                               "notebook checks against): pip install esig, or install the "
                               "workbench's test extra") from None
@@ -301,100 +306,3 @@ def sample(model: VelocityMLP, clock: Clock, n: int, nfe: int, clock_steps: int 
             x = x + model(x, t, cond) / nfe
         out.append(x.cpu())
     return torch.cat(out)
-
-
-def time_per_call(fn, repeats: int = 30, warmup: int = 3) -> float:
-    """Median wall time of ``fn()`` in seconds (the median resists other jobs on a shared CPU)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
-# -- metrics ----------------------------------------------------------------------------------
-def wasserstein_1d(u: np.ndarray, v: np.ndarray, p: float = 1.0) -> float:
-    """W_p^p between two empirical laws on the line (uniform weights, sizes may differ):
-    int_0^1 |F^-1(q) - G^-1(q)|^p dq, exact, on the union of the two quantile grids."""
-    u, v = np.sort(u), np.sort(v)
-    levels = np.union1d(np.arange(1, len(u) + 1) / len(u), np.arange(1, len(v) + 1) / len(v))
-    widths = np.diff(np.concatenate([[0.0], levels]))
-    mid = levels - widths / 2
-    iu = np.minimum((mid * len(u)).astype(int), len(u) - 1)
-    iv = np.minimum((mid * len(v)).astype(int), len(v) - 1)
-    return float(np.sum(widths * np.abs(u[iu] - v[iv]) ** p))
-
-
-def random_directions(dim: int, n: int, seed: int = 0) -> np.ndarray:
-    """(dim, n) directions uniform on the sphere."""
-    g = np.random.default_rng(seed).standard_normal((dim, n))
-    return g / np.linalg.norm(g, axis=0, keepdims=True)
-
-
-def sliced_wasserstein(x, y, n_projections: int = 128, p: float = 1.0, seed: int = 0,
-                       projections: np.ndarray | None = None) -> float:
-    """SW_p = (mean over directions theta of W_p^p(theta . x, theta . y))^(1/p).
-
-    p = 1 by default: W_2 is infinite between laws of infinite variance (alpha-stable, alpha < 2),
-    W_1 is finite for alpha > 1. Same definition as POT's ``ot.sliced_wasserstein_distance``.
-    """
-    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    proj = random_directions(x.shape[1], n_projections, seed) if projections is None \
-        else np.asarray(projections, dtype=np.float64)
-    px, py = x @ proj, y @ proj
-    return float(np.mean([wasserstein_1d(px[:, k], py[:, k], p)
-                          for k in range(proj.shape[1])]) ** (1 / p))
-
-
-def mode_masses(x, centers, radius: float) -> np.ndarray:
-    """Fraction of the samples ``x`` within ``radius`` of each center (a point is counted for its
-    nearest center only)."""
-    x, c = np.asarray(x, dtype=np.float64), np.asarray(centers, dtype=np.float64)
-    dist = np.linalg.norm(x[:, None, :] - c[None], axis=-1)
-    near = dist.argmin(1)
-    inside = dist[np.arange(len(x)), near] <= radius
-    return np.bincount(near[inside], minlength=len(c)) / len(x)
-
-
-def mode_coverage(x, centers, true_masses, radius: float, rare) -> dict:
-    """Rare-mode coverage: per mode, the generated mass near it over the true mass near it
-    (capped at 1: an over-filled mode is not extra coverage); ``coverage`` is their mean over the
-    rare modes, ``hit`` the fraction of rare modes that get at least half their true mass."""
-    ratio = np.minimum(mode_masses(x, centers, radius) / np.asarray(true_masses), 1.0)
-    rare = np.asarray(rare)
-    return {"ratio": ratio, "coverage": float(ratio[rare].mean()),
-            "hit": float((ratio[rare] >= 0.5).mean())}
-
-
-def high_quantiles(x, qs=(0.99, 0.999)) -> np.ndarray:
-    """Quantiles of the radius ||x|| (of |x| for 1-D input) at levels ``qs``."""
-    x = np.asarray(x, dtype=np.float64)
-    r = np.abs(x) if x.ndim == 1 else np.linalg.norm(x, axis=1)
-    return np.quantile(r, qs)
-
-
-def quantile_error(x, reference, qs=(0.99, 0.999)) -> float:
-    """Mean |log(q_gen / q_ref)| over the high quantile levels ``qs`` of the radius."""
-    return float(np.mean(np.abs(np.log(high_quantiles(x, qs) / high_quantiles(reference, qs)))))
-
-
-def hill(x, k: int | None = None, frac: float = 0.01) -> float:
-    """Hill's tail-index estimate alpha = 1 / xi, xi = mean_{i <= k} log(X_(i) / X_(k+1)) over the
-    k largest values of |x| (of ||x|| for 2-D input); k = frac * n by default (REFERENCES.md)."""
-    x = np.asarray(x, dtype=np.float64)
-    r = np.abs(x) if x.ndim == 1 else np.linalg.norm(x, axis=1)
-    k = int(k or max(2, round(frac * len(r))))
-    if not 1 <= k < len(r):
-        raise ValueError(f"Hill needs 1 <= k < n, got k={k}, n={len(r)}")
-    top = np.sort(r)[::-1][:k + 1]
-    if top[k] <= 0:
-        raise ValueError("Hill needs positive order statistics: X_(k+1) is 0")
-    return float(1.0 / np.mean(np.log(top[:k] / top[k])))
-
-
-def hill_curve(x, ks) -> np.ndarray:
-    """The Hill plot: the estimate for each k in ``ks``."""
-    return np.array([hill(x, int(k)) for k in ks])
