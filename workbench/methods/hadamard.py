@@ -36,6 +36,9 @@ from torch import nn
 
 from workbench import diagnostics as dx
 
+__all__ = ["TORSOS", "ACTIVATIONS", "HadamardLinear", "StandardLinear", "matched_width", "Torso",
+           "torso_factory", "rep_param_count", "representation_stats"]
+
 TORSOS = ("standard", "hadamard", "wide")
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU}
 

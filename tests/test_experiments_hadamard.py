@@ -1,0 +1,80 @@
+"""The HR harness (notebook 09): the setup the sizes imply, the matched torsos, the smoothed
+return, the summaries over checkpoints, and the branch-saturation diagnostic."""
+import numpy as np
+import pytest
+import torch
+
+from workbench.experiments import hadamard as X
+from workbench.methods import hadamard as hr
+
+S = {"env_id": "CartPole-v1", "width": 16, "total_timesteps": 1024, "n_inner_seeds": 2,
+     "learning_rate": None, "relu_timesteps": 0, "threads": 1,
+     "ppo": dict(learning_rate=2.5e-3, num_envs=4, num_steps=32, diag_every=2),
+     "dqn": dict(learning_rate=2.5e-4, num_envs=4)}
+
+
+def test_setup_applies_the_learning_rate_knob_and_the_inner_seeds():
+    s = X.make_setup(S, "ppo", "tanh", 3, 0.1, 0.1, "cpu")
+    assert s.inner_seeds == [300, 301] and s.family == "classic"
+    assert s.agent_cfg["learning_rate"] == 2.5e-3
+    s = X.make_setup(dict(S, learning_rate=1e-3), "ppo", "tanh", 0, 0.1, 0.1, "cpu")
+    assert s.agent_cfg["learning_rate"] == 1e-3 and S["ppo"]["learning_rate"] == 2.5e-3
+    with pytest.raises(ValueError):
+        X.make_setup(S, "sac", "tanh", 0, 0.1, 0.1, "cpu")
+
+
+def test_the_wide_torso_matches_hr_parameters():
+    sizes = X.torso_sizes(X.make_setup(S, "ppo", "tanh", 0, 0.1, 0.1, "cpu"), 0)
+    (u_std, n_std), (u_hr, n_hr), (u_wide, n_wide) = (sizes[k] for k in hr.TORSOS)
+    assert u_std == u_hr == 16 and u_wide > u_hr
+    assert n_hr > n_std and abs(n_wide - n_hr) <= 64 + 3      # within one unit of the wide layer
+
+
+def test_smoothed_return_averages_the_last_finished_episodes():
+    episodes = np.array([[10, 1.0], [20, 3.0], [30, 5.0], [40, 7.0]])
+    out = X.smoothed_return(episodes, [5, 20, 40], window=2)
+    assert np.isnan(out[0]) and out[1] == 2.0 and out[2] == 6.0
+
+
+class _Tracker(dict):
+    steps = [0, 10, 20, 30]
+
+
+def _result(inactive, episodes):
+    tr = _Tracker(inactive=np.array(inactive), dormant=np.zeros(4), saturated=np.array(inactive),
+                  srank=np.arange(4.0), erank=np.arange(4.0) + 1)
+    return {"tracker": tr, "episodes": np.array(episodes, float)}
+
+
+def test_summaries_average_late_checkpoints_and_final_episodes():
+    res = {k: [_result([0.0, 0.0, 0.2, 0.4], [[5, 1.0], [25, 10.0]]),
+               _result([0.0, 0.0, 0.0, 0.2], [[29, 20.0]])] for k in hr.TORSOS}
+    steps = X.checkpoints(res)
+    s = X.summarize(res, steps)["hadamard"]
+    assert s["inactive_mean"] == pytest.approx(0.1)            # all checkpoints, both seeds
+    assert s["inactive_late"] == pytest.approx(0.2)            # steps >= 15: the last two
+    assert s["erank_late"] == pytest.approx(3.5) and s["srank_late"] == pytest.approx(2.5)
+    assert s["return_final"] == pytest.approx(15.0)            # episodes from step 24 on
+    assert X.relu_summary(res)["wide"]["inactive_mean"] == pytest.approx(0.1)
+
+
+def test_a_product_unit_saturates_only_where_both_branches_do():
+    torch.manual_seed(0)
+    t = hr.Torso("hadamard", "classic", (4,), 3, width=32, act="tanh")
+    with torch.no_grad():                  # drive the first half of branch 1's units to +-1
+        t.rep.branch1.bias[:16] = 50.0
+        t.rep.branch2.bias[:8] = 50.0      # and a quarter of branch 2's, overlapping
+    out = X.branch_saturation({"torso": t, "states": torch.randn(256, 4)})
+    assert out["branch1"] >= 0.5 and out["branch2"] >= 0.25
+    assert out["product"] <= min(out["branch1"], out["branch2"])
+    assert out["product"] >= 0.25 and out["branch1_x_branch2"] == out["branch1"] * out["branch2"]
+
+
+def test_a_short_training_run_measures_every_torso():
+    setup = X.make_setup(dict(S, n_inner_seeds=1, total_timesteps=256), "ppo", "tanh", 0, 0.1,
+                         0.1, "cpu")
+    res = X.train_torsos(setup, verbose=False)
+    steps = X.checkpoints(res)
+    assert len(steps) >= 1 and all(len(res[k]) == 1 for k in hr.TORSOS)
+    assert X.series(res, "wide", "erank").shape == (1, len(steps))
+    assert len(res["hadamard"][0]["spectra"]) == len(steps)

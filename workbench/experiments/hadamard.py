@@ -1,0 +1,249 @@
+"""The experiments of notebook 09: Hadamard Representation against dormant neurons and rank
+collapse in deep RL (the method itself is :mod:`workbench.methods.hadamard`).
+
+The harness trains one agent (PPO or DQN from :mod:`workbench.rl`) per torso (standard, HR,
+parameter-matched wide) and inner seed, measures the representation every few updates
+(:func:`workbench.methods.hadamard.representation_stats`), and reduces the runs to what the
+claims read: inactivity and dormancy over training, rank and saturation late in training, the
+final return, PPO's own update diagnostics, the ReLU comparison, the saturation of each HR
+branch, and the singular spectrum of the representation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ipywidgets as widgets
+import numpy as np
+import pandas as pd
+import torch
+from IPython.display import display
+
+from workbench import diagnostics as dx
+from workbench import plots
+from workbench.env import interactive
+from workbench.methods import hadamard as hr
+from workbench.rl import env_family, make_vec_env
+from workbench.rl.dqn import DQNSettings, train_dqn
+from workbench.rl.ppo import PPOSettings, train_ppo
+from workbench.runtime import seed_everything
+
+__all__ = ["AGENTS", "LABEL", "PPO_LOGS", "Setup", "make_setup", "torso_sizes", "train_one",
+           "train_torsos", "checkpoints", "smoothed_return", "series", "returns", "summarize",
+           "curves_by_torso", "ppo_logs", "ppo_log_means", "relu_summary", "branch_saturation",
+           "spectrum_figure", "spectrum_slider", "spectrum_start_end"]
+
+AGENTS = ("ppo", "dqn")
+LABEL = {"standard": "standard", "hadamard": "HR", "wide": "wide (param-matched)"}
+PPO_LOGS = {"approx KL (k3)": "approx_kl", "clip fraction": "clipfrac",
+            "explained variance": "explained_variance"}
+
+
+@dataclass
+class Setup:
+    """Everything one training run needs besides its torso, seed and activation."""
+    agent: str                 # "ppo" or "dqn"
+    env_id: str                # environment id (workbench.rl.ENV_IDS)
+    family: str                # observation family of env_id: classic, minatar or ale
+    width: int                 # units of the standard / HR representation layer
+    total_timesteps: int       # environment steps per run
+    agent_cfg: dict            # the agent's settings (learning rate, envs, ...)
+    activation: str            # tanh, relu or gelu
+    inner_seeds: list          # one training run per torso and inner seed
+    tau: float = 0.1           # tau-dormant threshold (Sokar et al. 2023)
+    activity_tau: float = 0.1  # inactive threshold of the activity score (C1)
+    device: object = "cpu"
+
+
+def make_setup(S: dict, agent: str, activation: str, seed: int, tau: float, activity_tau: float,
+               device) -> Setup:
+    """The :class:`Setup` the sizes ``S`` imply: the agent's settings (with the learning-rate
+    knob applied), the observation family and the inner seeds ``seed * 100 + i``."""
+    if agent not in AGENTS:
+        raise ValueError(f"agent must be 'ppo' or 'dqn', got {agent!r}")
+    cfg = dict(S[agent], **({"learning_rate": S["learning_rate"]} if S["learning_rate"] else {}))
+    return Setup(agent, S["env_id"], env_family(S["env_id"]), S["width"], S["total_timesteps"],
+                 cfg, activation, [seed * 100 + i for i in range(S["n_inner_seeds"])], tau,
+                 activity_tau, device)
+
+
+def torso_sizes(setup: Setup, seed: int) -> dict:
+    """kind -> (representation units, parameters of the representation layer + heads) on the
+    setup's environment (PPO's heads: the logits and the value; DQN's: the Q-values)."""
+    env = make_vec_env(setup.env_id, 1, seed)
+    obs_shape, n_actions = env.single_observation_space.shape, env.single_action_space.n
+    env.close()
+    head_dim = n_actions + 1 if setup.agent == "ppo" else n_actions
+    out = {}
+    for kind in hr.TORSOS:
+        t = hr.Torso(kind, setup.family, obs_shape, head_dim, setup.width, setup.activation)
+        out[kind] = (t.out_dim, hr.rep_param_count(t, head_dim))
+    return out
+
+
+def train_one(setup: Setup, kind: str, inner_seed: int, act: str | None = None,
+              steps: int | None = None) -> dict:
+    """Train one agent with one torso; returns its diagnostics per checkpoint (``tracker``), the
+    singular values per checkpoint (``spectra``), its finished episodes ((step, return) rows),
+    PPO's per-update ``logs``, ``sps``, and the last torso and states measured."""
+    act = act or setup.activation
+    seed_everything(inner_seed)
+    torso_fn = hr.torso_factory(kind, setup.family, setup.width, act)
+    tr, spectra, last = dx.Tracker(), [], {}
+
+    def measure(step, net, states):
+        last.update(torso=net.torso, states=states)          # kept for the branch diagnostic
+        st = hr.representation_stats(net.torso, states, tau=setup.tau,
+                                     activity_tau=setup.activity_tau)
+        spectra.append(st.pop("sv"))
+        tr.log(step, **st)
+
+    common = dict(env_id=setup.env_id, total_timesteps=steps or setup.total_timesteps,
+                  **setup.agent_cfg)
+    if setup.agent == "ppo":
+        out = train_ppo(PPOSettings(**common), torso_fn, seed=inner_seed, device=setup.device,
+                        on_update=lambda u, step, net, obs: measure(step, net, obs))
+    else:
+        cfg = DQNSettings(diag_every=max(1, common["total_timesteps"] // 12), **common)
+        out = train_dqn(cfg, torso_fn, seed=inner_seed, device=setup.device,
+                        on_eval=lambda step, net, obs: measure(step, net, obs))
+    return {"tracker": tr, "spectra": spectra,
+            "episodes": np.array(out["episodes"], float).reshape(-1, 2),
+            "logs": pd.DataFrame(out.get("logs", [])), "sps": out["sps"], **last}
+
+
+def train_torsos(setup: Setup, progress=lambda it, **kw: it, act: str | None = None,
+                 steps: int | None = None, desc: str = "training", verbose: bool = True) -> dict:
+    """kind -> one :func:`train_one` result per inner seed, trained torso by torso in the order
+    of ``hr.TORSOS``; prints a line per run when ``verbose``."""
+    results = {kind: [] for kind in hr.TORSOS}
+    for kind, s in progress([(k, s) for k in hr.TORSOS for s in setup.inner_seeds], desc=desc):
+        results[kind].append(train_one(setup, kind, s, act=act, steps=steps))
+        r = results[kind][-1]
+        if verbose:
+            print(f"{LABEL[kind]:22s} seed {s:4d}: {len(r['episodes'])} episodes, "
+                  f"{r['sps']:.0f} steps/s, final inactive {r['tracker']['inactive'][-1]:.3f}, "
+                  f"erank {r['tracker']['erank'][-1]:.2f}")
+    return results
+
+
+def checkpoints(results: dict) -> np.ndarray:
+    """The environment steps at which the representation was measured (the same in every run)."""
+    return np.array(results["standard"][0]["tracker"].steps)
+
+
+def smoothed_return(episodes: np.ndarray, steps, window: int = 20) -> np.ndarray:
+    """Mean return of the last ``window`` episodes finished by each step (NaN before the first)."""
+    out = []
+    for s in steps:
+        done = episodes[episodes[:, 0] <= s, 1]
+        out.append(done[-window:].mean() if len(done) else np.nan)
+    return np.array(out)
+
+
+def series(results: dict, kind: str, name: str) -> np.ndarray:
+    """(inner seeds x checkpoints) array of one diagnostic."""
+    return np.stack([r["tracker"][name] for r in results[kind]])
+
+
+def returns(results: dict, kind: str, steps) -> np.ndarray:
+    """(inner seeds x checkpoints) smoothed returns."""
+    return np.stack([smoothed_return(r["episodes"], steps) for r in results[kind]])
+
+
+def summarize(results: dict, steps) -> dict:
+    """kind -> what the verdicts read: inactivity and dormancy averaged over all checkpoints,
+    saturation and rank over the second half of training, return (mean and std over inner seeds)
+    over the episodes of the last 20% of training."""
+    late = steps >= steps[-1] / 2          # the second half of training
+    summary = {}
+    for kind in hr.TORSOS:
+        final_ret = [r["episodes"][r["episodes"][:, 0] >= 0.8 * steps[-1], 1].mean()
+                     for r in results[kind]]
+        summary[kind] = {
+            "inactive_mean": series(results, kind, "inactive").mean(),
+            "inactive_late": series(results, kind, "inactive")[:, late].mean(),
+            "dormant_mean": series(results, kind, "dormant").mean(),
+            "saturated_late": series(results, kind, "saturated")[:, late].mean(),
+            "srank_late": series(results, kind, "srank")[:, late].mean(),
+            "erank_late": series(results, kind, "erank")[:, late].mean(),
+            "return_final": float(np.nanmean(final_ret)),
+            "return_final_std": float(np.nanstd(final_ret)),
+        }
+    return summary
+
+
+def curves_by_torso(results: dict, name: str, steps) -> dict:
+    """torso label -> (inner seeds x checkpoints) of a diagnostic, or of the return (``return``)."""
+    return {LABEL[k]: returns(results, k, steps) if name == "return" else series(results, k, name)
+            for k in hr.TORSOS}
+
+
+def ppo_logs(results: dict) -> dict:
+    """panel title -> torso label -> (inner seeds x updates) of one of PPO's own diagnostics."""
+    return {title: {LABEL[k]: np.stack([r["logs"][key] for r in results[k]]) for k in hr.TORSOS}
+            for title, key in PPO_LOGS.items()}
+
+
+def ppo_log_means(results: dict) -> dict:
+    """``{m}_mean_{kind}``: each PPO diagnostic averaged over updates and inner seeds."""
+    out = {}
+    for k in hr.TORSOS:
+        out.update({f"{m}_mean_{k}": float(np.nanmean(np.stack([r["logs"][m] for r in results[k]])))
+                    for m in ("approx_kl", "clipfrac", "explained_variance")})
+    return out
+
+
+def relu_summary(results: dict) -> dict:
+    """kind -> inactive and tau-dormant fractions averaged over all checkpoints (C1-relu)."""
+    return {k: {"inactive_mean": series(results, k, "inactive").mean(),
+                "dormant_mean": series(results, k, "dormant").mean()} for k in hr.TORSOS}
+
+
+@torch.no_grad()
+def branch_saturation(result: dict) -> dict:
+    """Saturated fraction of each branch of a trained HR torso, of their product, and what two
+    independent branches would give (the product of the branch fractions), on the last states."""
+    t, x = result["torso"], result["states"]
+    z, rep = t.encoder(x.float() / t.scale_input), t.rep
+    a1 = rep.act(rep.norm1(rep.branch1(z)))
+    a2 = rep.act(rep.norm2(rep.branch2(z)))
+    f1, f2 = dx.saturated_fraction(a1), dx.saturated_fraction(a2)
+    return {"branch1": f1, "branch2": f2, "product": dx.saturated_fraction(a1 * a2),
+            "branch1_x_branch2": f1 * f2}
+
+
+def _spectrum(ax, results: dict, idx: int, with_erank: bool = False) -> None:
+    for kind in hr.TORSOS:
+        sv = results[kind][0]["spectra"][idx]
+        label = LABEL[kind] + (f" (erank {results[kind][0]['tracker']['erank'][idx]:.1f})"
+                               if with_erank else "")
+        ax.semilogy(np.arange(1, len(sv) + 1), sv / sv.sum(), label=label)
+
+
+def spectrum_figure(results: dict, steps, idx: int):
+    """Normalized singular values of the first inner seed's representation at checkpoint ``idx``."""
+    fig, ax = plots.subplots(1, 1, figsize=(6.4, 3.6))
+    _spectrum(ax, results, idx, with_erank=True)
+    ax.set(title=f"Normalized singular values at step {steps[idx]}", xlabel="index i",
+           ylabel="sigma_i / sum sigma", ylim=(1e-6, 1))
+    ax.legend()
+    return fig
+
+
+def spectrum_slider(results: dict, steps) -> None:
+    """In a live notebook, a slider through the checkpoints of :func:`spectrum_figure`."""
+    if interactive():
+        widgets.interact(lambda checkpoint: display(spectrum_figure(results, steps, checkpoint)),
+                         checkpoint=widgets.IntSlider(0, 0, len(steps) - 1, 1))
+
+
+def spectrum_start_end(results: dict, steps):
+    """The spectrum at the first and the last checkpoint, side by side (the static figure)."""
+    fig, axes = plots.subplots(1, 2, sharey=True)
+    for ax, idx in zip(axes, (0, len(steps) - 1)):
+        _spectrum(ax, results, idx)
+        ax.set(title=f"step {steps[idx]}", xlabel="index i", ylabel="sigma_i / sum sigma",
+               ylim=(1e-6, 1))
+        ax.legend()
+    fig.suptitle("Singular spectrum of the representation (first seed): start vs end of training")
+    return fig
