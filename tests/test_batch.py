@@ -494,8 +494,8 @@ def test_after_a_timeout_no_kernel_outlives_the_runner(fixture_notebooks, tmp_pa
     jobs = batch.plan([infos["09-sleeps"]], tmp_path / "out",
                       raw_params={"pidfile": [str(pidfile)]})
     jobs += batch.plan([infos["01-ok"]], tmp_path / "out")
-    results = batch.run_batch(jobs, n_jobs=2, timeout=20, show_progress=False)
-    assert [r.status for r in results] == ["timeout", "ok"]
+    results = batch.run_batch(jobs, n_jobs=2, timeout=60, show_progress=False)
+    assert [r.status for r in results] == ["timeout", "ok"], [r.error for r in results]
     kernel = int(pidfile.read_text())
     assert not Path(f"/proc/{kernel}").exists() or \
         Path(f"/proc/{kernel}/stat").read_text().split(")")[1].split()[0] == "Z"
