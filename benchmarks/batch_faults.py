@@ -1,6 +1,6 @@
 """The batch runner under faults and bad input: the reliability figures of docs/batches.md.
 
-    python benchmarks/batch_faults.py            # about 3 minutes on 2 cores
+    python benchmarks/batch_faults.py       # 12 minutes on a 2-core machine under load
 
 Every fault is real: runner processes started here and stopped by the PID this script started
 (Ctrl-C, SIGKILL), a kernel killed by its own PID, a job past its timeout, a second runner on the
