@@ -53,6 +53,29 @@ def read_notebook(path: Path) -> dict:
     return nb
 
 
+def info_of(path: Path, nb: dict | None = None) -> NotebookInfo:
+    """A notebook's number, slug, title (its first ``# heading``) and claim ids."""
+    path = Path(path)
+    nb = read_notebook(path) if nb is None else nb
+    m = NAME_RE.match(path.name)
+    title, claims = path.stem, []
+    for cell in nb.get("cells", []):
+        if cell.get("cell_type") != "markdown":
+            continue
+        src = "".join(cell.get("source", ""))
+        if title == path.stem:
+            head = re.search(r"^#\s+(.+)$", src, re.M)
+            if head:
+                title = re.sub(r"^\d+\s*[·.:-]\s*", "", head.group(1).strip())  # "12 · X"
+        for a, b in CLAIM_RE.findall(src):
+            cid = a or b
+            if cid not in claims:
+                claims.append(cid)
+        if claims:
+            break          # claims are listed in the summary cell; later cells restate them
+    return NotebookInfo(m.group(1) if m else "", path.stem, path, title, claims)
+
+
 def discover(directory: Path | None = None,
              broken: list[tuple[Path, str]] | None = None) -> list[NotebookInfo]:
     """Every ``NN-slug.ipynb`` in ``notebooks/``, sorted by number. A file that cannot be read
@@ -60,8 +83,7 @@ def discover(directory: Path | None = None,
     ``(path, reason)`` when that list is given."""
     out = []
     for path in sorted((directory or notebooks_dir()).glob("*.ipynb")):
-        m = NAME_RE.match(path.name)
-        if not m:
+        if not NAME_RE.match(path.name):
             continue
         try:
             nb = read_notebook(path)
@@ -69,22 +91,7 @@ def discover(directory: Path | None = None,
             if broken is not None:
                 broken.append((path, str(e)))
             continue
-        title, claims = path.stem, []
-        for cell in nb.get("cells", []):
-            if cell.get("cell_type") != "markdown":
-                continue
-            src = "".join(cell.get("source", ""))
-            if title == path.stem:
-                head = re.search(r"^#\s+(.+)$", src, re.M)
-                if head:
-                    title = re.sub(r"^\d+\s*[·.:-]\s*", "", head.group(1).strip())  # "12 · X"
-            for a, b in CLAIM_RE.findall(src):
-                cid = a or b
-                if cid not in claims:
-                    claims.append(cid)
-            if claims:
-                break          # claims are listed in the summary cell; later cells restate them
-        out.append(NotebookInfo(m.group(1), path.stem, path, title, claims))
+        out.append(info_of(path, nb))
     return out
 
 
@@ -92,9 +99,7 @@ def resolve(name: str, directory: Path | None = None) -> NotebookInfo:
     """Find a notebook by slug ("12-nfi"), number ("12") or path; a clear error otherwise."""
     p = Path(name)
     if p.suffix == ".ipynb" and p.exists():
-        m = NAME_RE.match(p.name)
-        read_notebook(p)            # a broken file is named now, not by a JSON error later
-        return NotebookInfo(m.group(1) if m else "", p.stem, p.resolve(), p.stem)
+        return info_of(p.resolve())     # a broken file is named now, not by a JSON error later
     broken: list[tuple[Path, str]] = []
     known = discover(directory, broken)
     for info in known:

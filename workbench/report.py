@@ -305,7 +305,8 @@ def build(root: Path, html: bool = True, require: bool = False) -> Path:
                 "log": f"{r['rel']}/log.txt" if (r["dir"] / "log.txt").exists() else None,
                 "figures": figures})
         notebooks.append({
-            "name": nb, "title": info["titles"].get(nb, ""),
+            "name": nb, "title": "" if info["titles"].get(nb) == nb else
+            info["titles"].get(nb, ""),
             "failed": [r for r in recs if r["status"] not in ("ok", "cached")],
             "claims": _claims_matrix([r for r in recs if r["claims"]]),
             "aggregate": _aggregate_table([a for a in agg if a["notebook"] == nb]),
