@@ -613,3 +613,23 @@ def test_the_owner_of_a_folder_removes_what_a_killed_runner_left(fixture_noteboo
         batch.JobResult(j, "ok", 0.0) for j in jobs])
     assert cli.main(["run", str(fixture_notebooks / "01-ok.ipynb"), "--out", str(out)]) == 0
     assert sorted(p.name for p in (out / "01-ok" / "smoke").iterdir()) == ["seed-5"]
+
+
+def test_a_read_only_out_is_refused(fixture_notebooks, tmp_path, capsys):
+    # item 5 on a real read-only mount (a bind mount remounted read-only; needs root)
+    src, ro = tmp_path / "src", tmp_path / "ro"
+    (src / "existing").mkdir(parents=True)
+    ro.mkdir()
+    if subprocess.run(["mount", "--bind", str(src), str(ro)], capture_output=True).returncode:
+        pytest.skip("cannot mount here (needs root)")
+    try:
+        if subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)],
+                          capture_output=True).returncode:
+            pytest.skip("cannot remount read-only here")
+        nb = str(fixture_notebooks / "01-ok.ipynb")
+        for out, why in ((ro / "new", "cannot create"), (ro / "existing", "cannot write in")):
+            assert cli.main(["run", nb, "--out", str(out)]) == 2
+            err = capsys.readouterr().err
+            assert why in err and "Read-only file system" in err and len(err.splitlines()) == 1
+    finally:
+        subprocess.run(["umount", str(ro)], capture_output=True)
