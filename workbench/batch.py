@@ -260,6 +260,13 @@ def grid(typed: dict[str, list]) -> list[dict]:
         or [{}]
 
 
+def point_text(point: dict, width: int = 40) -> str:
+    """A grid point as shown to people: ``lr=0.01,device=cuda:0`` (values as given, no
+    newlines, shortened to ``width`` characters)."""
+    text = " ".join(",".join(f"{k}={v}" for k, v in point.items()).split())
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
 def _tag(point: dict) -> str:
     text = ",".join(f"{k}={v}" for k, v in point.items())
     return re.sub(r"[^A-Za-z0-9_.,=+-]", "_", text)
@@ -791,7 +798,8 @@ def _n_cells(path: str, cache: dict = {}) -> int:
 
 def job_label(job: Job) -> str:
     """``12-nfi smoke lr=0.1 seed 0``: a job in one line."""
-    return " ".join(x for x in (job.slug, job.scale, _tag(job.params)[:40], f"seed {job.seed}") if x)
+    return " ".join(x for x in (job.slug, job.scale, point_text(job.params), f"seed {job.seed}")
+                    if x)
 
 
 def running_progress(started: set | None = None, write=None) -> str:
@@ -920,7 +928,7 @@ def summary_table(results: list[JobResult]) -> str:
         note = "; ".join(x for x in (
             r.error, r.error_cell, r.note,
             f"robust claim(s) not holding: {', '.join(bad)}" if bad else "") if x)
-        rows.append((r.job.slug, _tag(r.job.params) or "-", str(r.job.seed), r.status,
+        rows.append((r.job.slug, point_text(r.job.params) or "-", str(r.job.seed), r.status,
                      f"{r.duration_s:.0f}s", f"{held}/{len(r.claims)}" if r.claims else "-",
                      note[:110]))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
