@@ -30,6 +30,11 @@ import math
 import torch
 import torch.nn.functional as F
 
+__all__ = ["EPS", "PATHS", "block_ids", "block_mask", "parallel_mask", "additive", "add_mask_token",
+           "p_mask", "noise", "shifted_logits", "diffusion_loss", "one_pass", "two_pass", "ar_loss",
+           "curriculum", "anneal_fraction", "annealed_parallel_mask", "nelbo_ppl", "task_rows",
+           "train_step_loss", "adapt", "decode", "nelbo"]
+
 EPS = 1e-3          # LLaDA's floor on p_mask
 
 

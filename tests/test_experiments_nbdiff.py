@@ -1,0 +1,62 @@
+"""The harness of notebook 19 (workbench.experiments.nbdiff): the mask table, the problem draw,
+the 4D mask through a tiny Llama, and the one-pass vs two-pass comparison."""
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from workbench.experiments import nbdiff as xp  # noqa: E402
+from workbench.methods import nbdiff as nd  # noqa: E402
+
+
+def tiny(vocab=40):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def test_mask_table_size_one_is_causal_and_larger_sizes_add_intra_block_links():
+    t = xp.mask_table(n=12, sizes=(1, 2, 4), starts=(0, 3))
+    assert list(t.index) == [(1, 0), (1, 3), (2, 0), (2, 3), (4, 0), (4, 3)]
+    assert t.loc[[(1, 0), (1, 3)], "equals_causal"].all()
+    assert (t.loc[[(1, 0), (1, 3)], "extra_links"] == 0).all()
+    big = t.drop(index=[(1, 0), (1, 3)])
+    assert big.keeps_causal.all() and big.extra_inside_blocks.all()
+    assert not big.equals_causal.any()
+    # 12 positions in blocks of 2 from 0: 6 blocks, one extra link each (the later sees the earlier)
+    assert t.loc[(2, 0), "extra_links"] == 6
+    assert t.loc[(4, 0), "extra_links"] == 3 * 6         # blocks of 4: 4*3/2 = 6 links, 3 blocks
+
+
+def test_mask_reaches_model():
+    m = tiny()
+    x = torch.randint(0, 40, (2, 16), generator=torch.Generator().manual_seed(1))
+    d = xp.mask_reaches_model(m, x, 16)
+    assert d["max_diff_causal_4d"] < 1e-5
+    assert d["max_diff_block4_4d"] > 1e-3
+
+
+def test_problems_are_seeded_and_split():
+    a_train, a_test = xp.problems(["reverse", "add"], 8, 4, seed=3)
+    b_train, b_test = xp.problems(["reverse", "add"], 8, 4, seed=3)
+    c_train, _ = xp.problems(["reverse", "add"], 8, 4, seed=4)
+    assert [e.prompt for e in a_train] == [e.prompt for e in b_train]
+    assert [e.prompt for e in a_test] == [e.prompt for e in b_test]
+    assert [e.prompt for e in a_train] != [e.prompt for e in c_train]
+    assert not {e.prompt for e in a_train} & {e.prompt for e in a_test}   # the task's own split
+
+
+@pytest.mark.parametrize("n_rows", [4])
+def test_one_vs_two_pass_agree_on_a_tiny_model(n_rows):
+    models = {"nbdiff": tiny(41), "direct": tiny(41)}
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randint(0, 40, (n_rows, 16), generator=g)
+    start = torch.tensor([3, 5, 1, 4])
+    t = xp.one_vs_two_pass(models, x0, start, ctx=16, size=4, mask_id=40, seed=0)
+    assert list(t.index) == ["context-causal", "block-causal"]
+    assert (t.two_pass > 0).all()
+    assert (t.abs_diff < 1e-4 * t.two_pass.abs().clip(lower=1)).all()
+    # the same seed draws the same noise: the comparison is reproducible
+    assert xp.one_vs_two_pass(models, x0, start, 16, 4, 40, 0).equals(t)

@@ -1,0 +1,194 @@
+"""The experiments of notebook 19 (NBDIFF: adapting an autoregressive LM into a block-diffusion
+LM, :mod:`workbench.methods.nbdiff`).
+
+The mask checks of C1 (a table over block sizes and prompt offsets, and the 4D mask through the
+zoo's Llama), the training data (task problems and corpus rows), the three adaptation paths of C3
+trained once per seed and cached (:func:`workbench.cache.build`), the one-pass vs two-pass loss
+of C2, task accuracy of a decoder, and the parallel-decoding grid of C4 against the AR model's
+``generate``.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pandas as pd
+import torch
+from transformers import AutoModelForCausalLM
+
+from .. import cache, evaluate
+from ..data import corpus, tasks
+from ..methods import nbdiff as nd
+from ..models import zoo
+
+__all__ = ["GROUP", "mask_table", "mask_reaches_model", "problems", "training_rows",
+           "SETTINGS", "adapted", "adapt_all", "one_vs_two_pass", "prompt_ids", "accuracy",
+           "parallel_grid", "ar_baseline"]
+
+GROUP = "nbdiff"        # cache.folder("nbdiff"): the adapted models
+SETTINGS = ("n_corpus", "steps", "batch", "lr", "ar_weight", "final_block", "ctx")  # in the key
+
+
+# -- C1: the masks ------------------------------------------------------------------------------
+
+def mask_table(n: int = 24, sizes=(1, 2, 3, 4, 8), starts=(0, 5)) -> pd.DataFrame:
+    """For each block size and prompt offset: whether the block mask equals the causal mask,
+    keeps every causal link, how many links it adds, and whether they all lie inside a block."""
+    causal = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    rows = {}
+    for size in sizes:
+        for start in starts:
+            ids = nd.block_ids(n, size, start)
+            m = nd.block_mask(ids)
+            extra = (m & ~causal).nonzero()
+            rows[(size, start)] = {
+                "equals_causal": bool(torch.equal(m, causal)),
+                "keeps_causal": bool(torch.equal(m | causal, m)),
+                "extra_links": len(extra),
+                "extra_inside_blocks": bool(all(ids[i] == ids[j] for i, j in extra.tolist()))}
+    return pd.DataFrame(rows).T
+
+
+def mask_reaches_model(model, x: torch.Tensor, ctx: int) -> dict:
+    """The largest logit change when ``model`` gets the block mask as a 4D additive
+    ``attention_mask`` instead of its default causal one: at block size 1 (should be 0) and at
+    block size 4 (should not)."""
+    def with_mask(size):
+        mask = nd.additive(nd.block_mask(nd.block_ids(ctx, size))).to(x.device)
+        return model(input_ids=x, attention_mask=mask.expand(len(x), -1, -1, -1)).logits
+
+    with torch.no_grad():
+        ref = model(input_ids=x).logits
+        via4d, blk4d = with_mask(1), with_mask(4)
+    return {"max_diff_causal_4d": float((ref - via4d).abs().max()),
+            "max_diff_block4_4d": float((ref - blk4d).abs().max())}
+
+
+# -- the data and the three adaptation paths ------------------------------------------------------
+
+def problems(families, n_train: int, n_test: int, seed: int) -> tuple[list, list]:
+    """Training and held-out problems: per family and difficulty, ``n_train`` (``n_test``)
+    divided over the difficulties, drawn from the task's train (test) split with one numpy
+    generator seeded ``seed``."""
+    rng = np.random.default_rng(seed)
+    train, test = [], []
+    for f in families:
+        diffs = tasks.get(f).difficulties
+        for d in diffs:
+            tr, te = tasks.problem_split(f, d)
+            k = max(1, n_train // len(diffs))
+            train += [tr[i] for i in rng.permutation(len(tr))[:k]]
+            test += [te[i] for i in rng.permutation(len(te))[:max(1, n_test // len(diffs))]]
+    return train, test
+
+
+def training_rows(tok, train, ctx: int, n_corpus: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x0, start)``: the problems as rows (:func:`~workbench.methods.nbdiff.task_rows`), then
+    ``n_corpus`` corpus text rows (all but ``<bos>`` noised), so the adapted model keeps its text
+    and the diffusion bound means something."""
+    x0, start = nd.task_rows(tok, train, ctx)
+    text = corpus.blocks(tok, corpus.train_text(), ctx, max_blocks=n_corpus)
+    return torch.cat([x0, text]), torch.cat([start, torch.ones(len(text), dtype=torch.long)])
+
+
+def adapted(base: str, zoo_scale: str, path: str, x0, start, S: dict, seed: int, train,
+            device: str):
+    """The zoo model ``base`` adapted along ``path`` (:func:`~workbench.methods.nbdiff.adapt`,
+    full fine-tuning) on ``(x0, start)``, trained once and cached, keyed by the base model's
+    key, the path, the sizes in :data:`SETTINGS`, the seed and the training prompts. Returns
+    ``(model in eval mode, every step's loss, whether it came from the cache)``."""
+    settings = {k: S[k] for k in SETTINGS}
+    key = cache.key(zoo.recipe(base).key(zoo_scale), path, settings, seed, [e.prompt for e in train])
+    where = cache.folder(GROUP) / f"{path}-{base}-{zoo_scale}-{key}"
+    cached = cache.is_built(where)
+
+    def build(tmp):
+        m, t = zoo.load(base, zoo_scale, device=device)
+        mid = nd.add_mask_token(m, t)
+        t0 = time.time()
+        losses = nd.adapt(m, x0, start, path, S["steps"], S["final_block"], mid, S["lr"],
+                          S["batch"], S["ar_weight"], seed)
+        m.cpu().save_pretrained(tmp / "model")
+        t.save_pretrained(tmp / "model")
+        np.save(tmp / "losses.npy", np.array(losses))
+        return {"train_seconds": round(time.time() - t0, 1)}
+
+    cache.build(where, build)
+    m = AutoModelForCausalLM.from_pretrained(where / "model").to(device).eval()
+    return m, np.load(where / "losses.npy"), cached
+
+
+def adapt_all(base: str, zoo_scale: str, x0, start, S: dict, seed: int, train, device: str):
+    """Every path of :data:`~workbench.methods.nbdiff.PATHS`, in order, through :func:`adapted`.
+    Returns ``(models, losses, cached)``, each by path."""
+    models, losses, cached = {}, {}, {}
+    for path in nd.PATHS:
+        models[path], losses[path], cached[path] = adapted(base, zoo_scale, path, x0, start, S,
+                                                           seed, train, device)
+    return models, losses, cached
+
+
+# -- C2: one pass against two --------------------------------------------------------------------
+
+def one_vs_two_pass(models: dict, x0, start, ctx: int, size: int, mask_id: int,
+                    seed: int) -> pd.DataFrame:
+    """The diffusion loss of the one-pass ``[x_t ; x_0]`` formulation and of the two-pass
+    reference on the same noise (one generator seeded ``seed``), for the context-causal clean copy
+    (the nbdiff model) and the block-causal one (the direct model)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = {}
+    for cc, m in (("context-causal", models["nbdiff"]), ("block-causal", models["direct"])):
+        ids = torch.stack([nd.block_ids(ctx, size, int(s)) for s in start])
+        noisable = ids >= 0
+        xt, masked, p = nd.noise(x0, ids, noisable, mask_id, g)
+        pos = torch.arange(ctx).expand(len(x0), -1)
+        with torch.no_grad():
+            a, _ = nd.one_pass(m, x0, xt, ids, pos, cc == "context-causal")
+            b, _ = nd.two_pass(m, x0, xt, ids, pos, cc == "context-causal")
+        la = float(nd.diffusion_loss(a.cpu(), x0, masked, p, noisable))
+        lb = float(nd.diffusion_loss(b.cpu(), x0, masked, p, noisable))
+        rows[cc] = {"one_pass": la, "two_pass": lb, "abs_diff": abs(la - lb)}
+    return pd.DataFrame(rows).T
+
+
+# -- C3, C4: decoding ------------------------------------------------------------------------------
+
+def prompt_ids(tok, examples) -> list[list[int]]:
+    """``<bos>`` and each example's prompt tokens."""
+    return [[tok.bos_token_id] + tok(e.prompt, add_special_tokens=False).input_ids for e in examples]
+
+
+def accuracy(model, tok, prompts, examples, gen_len: int, size: int, per_pass: int, mask_id: int,
+             context_causal: bool) -> tuple[float, int]:
+    """Exact match of block-diffusion decoding (:func:`~workbench.methods.nbdiff.decode`, the
+    first line of each completion) on ``examples``, and the forward passes it took."""
+    out, passes = nd.decode(model, prompts, gen_len, size, per_pass, mask_id, context_causal,
+                            tok.pad_token_id)
+    comps = [tok.decode(o, skip_special_tokens=True).split("\n")[0] for o in out]
+    return float(np.mean([tasks.score(e, c) for e, c in zip(examples, comps)])), passes
+
+
+def parallel_grid(model, tok, prompts, examples, gen_len: int, mask_id: int,
+                  sizes=(1, 2, 4, 8)) -> pd.DataFrame:
+    """Context-causal decoding at each block size with one token per pass and with the whole
+    block in one pass: accuracy, tokens per forward pass and tokens per second (wall)."""
+    rows = {}
+    for size in sizes:
+        for per_pass in sorted({1, size}):
+            t0 = time.time()
+            acc, passes = accuracy(model, tok, prompts, examples, gen_len, size, per_pass, mask_id,
+                                   True)
+            dt = time.time() - t0
+            rows[(size, per_pass)] = {"accuracy": acc, "tokens_per_pass": gen_len / passes,
+                                      "tokens_per_s": len(prompts) * gen_len / dt}
+    return pd.DataFrame(rows).T
+
+
+def ar_baseline(model, tok, examples, gen_len: int) -> tuple[float, float]:
+    """The AR model's greedy ``generate`` (KV cache) on the same prompts: exact match and tokens
+    per second, counting ``gen_len`` tokens per prompt (an upper bound)."""
+    t0 = time.time()
+    comps = evaluate.generate(model, tok, [e.prompt for e in examples], gen_len)
+    dt = time.time() - t0
+    acc = float(np.mean([tasks.score(e, c.split("\n")[0]) for e, c in zip(examples, comps)]))
+    return acc, len(examples) * gen_len / dt
