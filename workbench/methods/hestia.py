@@ -48,6 +48,12 @@ from ..diagnostics import hutchinson_trace
 from ..quant import absmean_ternary, block_linears
 from ..quant import ternary_ste as ste_ternary   # STE baseline: forward Q(W), identity grad
 
+__all__ = ["CODEBOOK", "MODES", "absmean_scale", "hard_ternary", "ternary_state", "ste_ternary",
+           "soft_ternary", "soft_ternary_reference", "soft_ternary_closed_form",
+           "optimal_init_temp", "Schedule", "temperature_scales", "hessian_traces",
+           "TernaryLinear", "ternarize", "ternary_layers", "mode_as", "FlipCounter", "relaxed_gap",
+           "directional_check", "QATConfig", "set_schedule", "qat"]
+
 CODEBOOK = (-1.0, 0.0, 1.0)
 MODES = ("fp", "ste", "hestia", "hard")
 
@@ -374,27 +380,6 @@ def directional_check(w: torch.Tensor, mode: str, temp: float, eps: float = 1e-6
 
 # -- training ----------------------------------------------------------------------------------
 
-def train_stream(tok, ctx: int, n_blocks: int, seed: int, task_fraction: float = 0.5,
-                 families=("add", "pattern")) -> torch.Tensor:
-    """(n_blocks, ctx) training blocks: random windows of the corpus' train documents and, for a
-    ``task_fraction`` of them, packed task lines (``<bos> prompt answer <eos>``) of ``families``,
-    so QAT sees the same kind of text the backbone was trained on. Shuffled with ``seed``."""
-    from ..data import corpus, packing
-    n_task = int(round(n_blocks * task_fraction))
-    text = corpus.calibration_blocks(tok, ctx, n_blocks - n_task, seed=seed)
-    if n_task == 0:
-        return text
-    per_family = n_task * ctx // 6 // len(families) + 1    # a task line is >= 8 tokens
-    lines = corpus.task_lines(families, per_family, seed=seed + 7, easiest=1)
-    try:
-        tasks = packing.stream(packing.encode(tok, lines), n_task, ctx)
-    except ValueError as e:
-        raise ValueError(f"{e}; lower task_fraction") from None
-    blocks = torch.cat([text, tasks])
-    g = torch.Generator().manual_seed(seed)
-    return blocks[torch.randperm(len(blocks), generator=g)]
-
-
 @dataclass
 class QATConfig:
     """Settings shared by every QAT run of a comparison (equal steps, data and optimizer)."""
@@ -482,37 +467,3 @@ def qat(model, data: torch.Tensor, cfg: QATConfig, mode: str, scales: dict | Non
     hist["flips"] = flips
     hist["schedules"] = scheds
     return hist
-
-
-def step_time(model, x: torch.Tensor, mode: str, repeats: int = 7, temp: float = 0.3) -> float:
-    """Median seconds of one forward + backward + AdamW step in ``mode`` on batch ``x`` (C5).
-
-    Works on the given model's current weights with a throw-away optimizer; the weights are
-    restored afterwards, so the measurement leaves the model unchanged.
-    """
-    layers = ternary_layers(model)
-    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    knobs = {n: (m.temp, m.pressure) for n, m in layers.items()}
-    with mode_as(model, mode):
-        for m in layers.values():
-            m.temp, m.pressure = temp, 1.0
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
-        model.train()
-        times = []
-        for i in range(repeats + 1):                   # the first repeat is a warm-up
-            if x.is_cuda:
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            loss = model(input_ids=x, labels=x).loss
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            if x.is_cuda:
-                torch.cuda.synchronize()
-            if i:
-                times.append(time.perf_counter() - t)
-        model.eval()
-    model.load_state_dict(saved)
-    for n, m in layers.items():
-        m.temp, m.pressure = knobs[n]
-    return float(np.median(times))

@@ -1,0 +1,85 @@
+"""The Hestia harness (notebook 10): the QAT stream, the four runs' settings, the step timer
+that leaves the model as it found it, and the consistency check of both quantizers."""
+import math
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from workbench.experiments import hestia as X
+from workbench.methods import hestia as M
+
+
+class CharTok:
+    """A stand-in tokenizer: one id per character (all >= 32), specials 0, 1 (bos), 2 (eos)."""
+    pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
+
+    def __call__(self, texts, add_special_tokens=False):
+        if isinstance(texts, str):
+            return {"input_ids": [ord(ch) % 5000 + 32 for ch in texts]}
+        return {"input_ids": [[ord(ch) % 5000 + 32 for ch in t] for t in texts]}
+
+
+def _tiny_lm():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, vocab_size=50,
+                      max_position_embeddings=16, tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_train_stream_mixes_text_and_task_blocks_reproducibly():
+    tok = CharTok()
+    a = X.train_stream(tok, 32, 20, seed=3, task_fraction=0.5)
+    b = X.train_stream(tok, 32, 20, seed=3, task_fraction=0.5)
+    assert a.shape == (20, 32) and torch.equal(a, b)             # same seed, same stream
+    with_bos = int((a == tok.bos_token_id).any(1).sum())          # packed task lines start with bos
+    assert with_bos == 10                                         # exactly the task fraction
+    only_text = X.train_stream(tok, 32, 6, seed=3, task_fraction=0.0)
+    assert not (only_text == tok.bos_token_id).any()
+    assert not torch.equal(X.train_stream(tok, 32, 20, seed=4, task_fraction=0.5), a)
+
+
+def test_the_matched_control_runs_at_the_geometric_mean_scale():
+    scales = {"a": 0.6, "b": 0.9, "c": 0.75}
+    methods, mean_scale = X.qat_methods(scales)
+    assert list(methods) == list(X.KEY)
+    assert math.isclose(mean_scale, (0.6 * 0.9 * 0.75) ** (1 / 3))
+    mode, matched = methods["Hestia, global T x mean scale"]
+    assert mode == "hestia" and set(matched.values()) == {mean_scale} and set(matched) == set(scales)
+    assert methods["Hestia, Hessian T"] == ("hestia", scales) and methods["STE (absmean)"][1] is None
+
+
+def test_qat_config_logs_the_gap_at_least_twenty_times():
+    S = {"steps": 120, "batch": 8, "lr": 5e-4, "log_every": 500, "gap_every": 25}
+    cfg = X.qat_config(S, None, 0.2)
+    assert cfg.log_every == 120 and cfg.gap_every == 6 and cfg.t0 == M.optimal_init_temp()
+    assert X.qat_config(S, 0.5, 0.2).t0 == 0.5
+
+
+def test_step_time_leaves_the_model_as_it_found_it():
+    model = _tiny_lm()
+    layers = M.ternarize(model, "hestia")
+    for m in layers.values():
+        m.temp, m.pressure = 0.2, 0.5
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randint(0, 50, (2, 8))
+    t = X.step_time(model, x, "hestia", repeats=2, temp=0.3)
+    assert t > 0
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all((m.temp, m.pressure, m.mode) == (0.2, 0.5, "hestia") for m in layers.values())
+
+
+def test_consistency_separates_hestia_from_the_ste():
+    models = {"Hestia, Hessian T": _tiny_lm(), "STE (absmean)": _tiny_lm()}
+    M.ternarize(models["Hestia, Hessian T"], "hestia")
+    M.ternarize(models["STE (absmean)"], "ste")
+    out = X.consistency(models, M.QATConfig(t0=0.35), seed=0)
+    assert out["Hestia, Hessian T"]["tensors"] == 14
+    assert out["Hestia, Hessian T"]["max relative error"] < 1e-4
+    assert out["STE (absmean)"]["median relative error"] > 1e-2
+
+
+def test_limits_name_the_zoo_and_the_task_families():
+    lim = X.limits()
+    assert "lm-tiny" in lim["model_name"] and "add" in lim["task_family"]
+    assert lim["compress_ratio"] == (0, 0.999)

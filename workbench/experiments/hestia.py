@@ -1,0 +1,327 @@
+"""The experiments of notebook 10: Hestia, operator-faithful differentiable QAT for extremely
+low-bit LLMs (the method itself is :mod:`workbench.methods.hestia`).
+
+The harness loads a zoo backbone and builds the QAT data (a fixed stream of corpus windows and
+packed task lines, the same for every method) and the held-out evaluation sets; scores the two
+reference rows (full precision, ternary rounding without training); computes the offline Hessian
+traces and their temperature scales; runs the QAT comparison (STE, Hestia with one global
+schedule, the matched global control, Hestia with Hessian schedules); checks each quantizer's
+forward against its backward; times a training step of each mode; writes the final model as a
+GGUF file and reads it back; and gathers the evidence of the claims.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass
+
+import matplotlib as mpl
+import numpy as np
+import pandas as pd
+import torch
+
+from workbench import evaluate
+from workbench import quant as Q
+from workbench.data import corpus, packing, tasks
+from workbench.methods import hestia as M
+from workbench.models import zoo
+from workbench.plots import subplots
+
+__all__ = ["LIMITS", "KEY", "COLOR", "limits", "qat_config", "train_stream", "Bed", "load_bed",
+           "reference_rows", "sensitivities", "trace_table", "qat_methods", "qat_run",
+           "qat_metrics", "consistency", "step_time", "step_times", "export_gguf", "c2_evidence", "schedule_figure"]
+
+# the knobs' and sizes' allowed values, checked by run.sizes before anything runs
+LIMITS = {"steps": (10, None), "batch": (1, None), "lr": (1e-12, None), "t0": (1e-12, None),
+          "compress_ratio": (0, 0.999), "alpha": (0, None), "kappa": (1e-12, None)}
+# the four QAT runs: label -> the metric-name stem
+KEY = {"STE (absmean)": "ste", "Hestia, global T": "hestia_global",
+       "Hestia, global T x mean scale": "hestia_global_matched", "Hestia, Hessian T": "hestia_hessian"}
+COLOR = dict(zip(KEY, ["#1f5a96", "#d1495b", "#e09f3e", "#2e933c"]))
+
+
+def limits() -> dict:
+    """:data:`LIMITS` with the zoo's backbones and the task registry's families as choices."""
+    return {**LIMITS, "model_name": list(zoo.RECIPES), "task_family": tasks.names()}
+
+
+def qat_config(S: dict, t0: float | None, compress_ratio: float) -> M.QATConfig:
+    """The QAT settings every method shares; ``t0`` None takes the public code's MSE-optimal
+    initial temperature; the relaxed-vs-hard gap is logged at least 20 times."""
+    T0 = M.optimal_init_temp() if t0 is None else float(t0)
+    return M.QATConfig(steps=S["steps"], batch=S["batch"], lr=S["lr"],
+                       log_every=min(S["log_every"], S["steps"]), t0=T0,
+                       compress_ratio=compress_ratio,
+                       gap_every=max(1, min(S["gap_every"], S["steps"] // 20)))
+
+
+def train_stream(tok, ctx: int, n_blocks: int, seed: int, task_fraction: float = 0.5,
+                 families=("add", "pattern")) -> torch.Tensor:
+    """(n_blocks, ctx) training blocks: random windows of the corpus' train documents and, for a
+    ``task_fraction`` of them, packed task lines (``<bos> prompt answer <eos>``) of ``families``,
+    so QAT sees the same kind of text the backbone was trained on. Shuffled with ``seed``."""
+    n_task = int(round(n_blocks * task_fraction))
+    text = corpus.calibration_blocks(tok, ctx, n_blocks - n_task, seed=seed)
+    if n_task == 0:
+        return text
+    per_family = n_task * ctx // 6 // len(families) + 1    # a task line is >= 8 tokens
+    lines = corpus.task_lines(families, per_family, seed=seed + 7, easiest=1)
+    try:
+        task_blocks = packing.stream(packing.encode(tok, lines), n_task, ctx)
+    except ValueError as e:
+        raise ValueError(f"{e}; lower task_fraction") from None
+    blocks = torch.cat([text, task_blocks])
+    g = torch.Generator().manual_seed(seed)
+    return blocks[torch.randperm(len(blocks), generator=g)]
+
+
+@dataclass
+class Bed:
+    """The backbone, its QAT data and its evaluation sets."""
+    base: torch.nn.Module      # the full-precision backbone (never trained here)
+    tok: object                # its tokenizer
+    card: dict                 # its zoo card
+    ctx: int                   # tokens per block
+    data: torch.Tensor         # the QAT stream, (blocks, ctx), the same for every method
+    held_eval: torch.Tensor    # held-out blocks scored during QAT
+    held_final: torch.Tensor   # held-out blocks scored at the end
+    task_family: str           # zoo task family of the zero-shot accuracy
+    task_examples: int         # examples of that family scored
+    load_s: float              # seconds zoo.load took
+
+    def score(self, model) -> float:
+        """Held-out perplexity on the small set scored during QAT."""
+        return evaluate.perplexity(model, self.held_eval)
+
+    def final_ppl(self, model) -> float:
+        """Held-out perplexity on the final set."""
+        return evaluate.perplexity(model, self.held_final)
+
+    def accuracy(self, model) -> float:
+        """Exact-match accuracy on the task family (fixed examples, greedy answers)."""
+        return evaluate.task_accuracy(model, self.tok, self.task_family, self.task_examples,
+                                      seed=777, easiest=self.card["recipe"].get("easiest"))
+
+
+def load_bed(model_name: str, scale: str, S: dict, cfg: M.QATConfig, seed: int, device,
+             task_family: str) -> Bed:
+    """Load the zoo backbone (built on first use), the QAT stream of ``cfg.steps * cfg.batch``
+    blocks (or the scale's ``train_blocks``) and the held-out sets (a seeded subset)."""
+    t_load = time.time()
+    base, tok = zoo.load(model_name, scale, device=str(device))
+    load_s = time.time() - t_load
+    ctx = base.config.max_position_embeddings
+    n_blocks = S["train_blocks"] or cfg.steps * cfg.batch
+    data = train_stream(tok, ctx, n_blocks, seed=seed, task_fraction=S["task_fraction"])
+    held = corpus.heldout_blocks(tok, ctx)
+    order = torch.randperm(len(held), generator=torch.Generator().manual_seed(1000 + seed))
+    held_eval = held[order[: S["eval_blocks"]]]
+    held_final = held[order[: S["final_blocks"]]] if S["final_blocks"] else held
+    return Bed(base, tok, base.zoo_card, ctx, data, held_eval, held_final, task_family,
+               S["task_examples"], load_s)
+
+
+def reference_rows(bed: Bed) -> tuple[dict, dict]:
+    """The two reference rows (full precision; absmean ternary rounding, no training) and the
+    ternary layers' sizes: ``(rows, {"n_ternary_weights", "n_tensors"})``."""
+    ptq = copy.deepcopy(bed.base)
+    layers_ptq = M.ternarize(ptq, "hard")
+    n_ternary = sum(m.weight.numel() for m in layers_ptq.values())
+    rows = {"full precision": {"ppl": bed.final_ppl(bed.base), "acc": bed.accuracy(bed.base)},
+            "ternary PTQ (no QAT)": {"ppl": bed.final_ppl(ptq), "acc": bed.accuracy(ptq)}}
+    return rows, {"n_ternary_weights": n_ternary, "n_tensors": len(layers_ptq)}
+
+
+def sensitivities(bed: Bed, S: dict, seed: int, device, kappa: float, alpha: float) -> dict:
+    """Hutchinson traces of every ternary tensor on the full-precision model (once, before QAT)
+    and the temperature scales they give: ``names``, ``traces``, ``temp_scales``,
+    ``sensitivity`` and ``seconds``."""
+    t_tr = time.time()
+    fp_model = copy.deepcopy(bed.base)
+    M.ternarize(fp_model, "fp")
+    tnames = list(M.ternary_layers(fp_model))
+    calib = corpus.calibration_blocks(bed.tok, bed.ctx, S["trace_blocks"], seed=10_000 + seed)
+    traces_w = M.hessian_traces(fp_model, [n + ".weight" for n in tnames], calib.to(device),
+                                n_samples=S["trace_probes"], seed=seed)
+    traces = {n: traces_w[n + ".weight"] for n in tnames}
+    del fp_model
+    temp_scales, sensitivity = M.temperature_scales(traces, kappa=kappa, alpha=alpha)
+    return {"names": tnames, "traces": traces, "temp_scales": temp_scales,
+            "sensitivity": sensitivity, "seconds": time.time() - t_tr}
+
+
+def trace_table(sens: dict) -> pd.DataFrame:
+    """The traces as a (tensor kind x block) table."""
+    tnames = sens["names"]
+    return pd.DataFrame({"block": [int(n.split(".")[2]) for n in tnames],
+                         "tensor": [n.split(".")[-1] for n in tnames],
+                         "trace": [sens["traces"][n] for n in tnames],
+                         "temp scale": [sens["temp_scales"][n] for n in tnames]}
+                        ).pivot(index="tensor", columns="block", values="trace")
+
+
+def qat_methods(temp_scales: dict) -> tuple[dict, float]:
+    """label -> (mode, per-tensor scales or None) of the four runs, and the matched control's
+    scale: the geometric mean of the per-tensor scales, so that a C4 win cannot come from the
+    Hessian runs being cooler on average."""
+    mean_scale = math.exp(np.mean([math.log(v) for v in temp_scales.values()]))
+    methods = {"STE (absmean)": ("ste", None), "Hestia, global T": ("hestia", None),
+               "Hestia, global T x mean scale": ("hestia", {n: mean_scale for n in temp_scales}),
+               "Hestia, Hessian T": ("hestia", temp_scales)}
+    return methods, mean_scale
+
+
+def qat_run(bed: Bed, cfg: M.QATConfig, mode: str, scales: dict | None,
+            progress=lambda it, **kw: it) -> tuple:
+    """One QAT run from the pretrained backbone: ``(model, history, row)``, the row holding the
+    hard model's final perplexity and accuracy, the never-flipped and changed fractions, and
+    the run's seconds."""
+    t_run = time.time()
+    model = copy.deepcopy(bed.base)
+    M.ternarize(model, mode)
+    hist = M.qat(model, bed.data, cfg, mode, scales, evaluate=bed.score, progress=progress)
+    with M.mode_as(model, "hard"):
+        row = {"ppl": bed.final_ppl(model), "acc": bed.accuracy(model)}
+    fl = hist["flips"]
+    row.update(never_flipped=fl.never_flipped(), changed=fl.changed_overall(),
+               seconds=time.time() - t_run)
+    return model, hist, row
+
+
+def qat_metrics(rows: dict, hists: dict) -> dict:
+    """The metrics of the four runs: final perplexity and accuracy, never-flipped and changed
+    fractions, and the hard model's perplexity curve."""
+    out = {}
+    for label, k in KEY.items():
+        out.update({f"ppl_{k}": rows[label]["ppl"], f"acc_{k}": rows[label]["acc"],
+                    f"never_flipped_{k}": rows[label]["never_flipped"],
+                    f"changed_{k}": rows[label]["changed"], f"ppl_curve_{k}": hists[label]["hard"]})
+    return out
+
+
+def consistency(models: dict, cfg: M.QATConfig, seed: int) -> dict:
+    """Forward-backward consistency of every ternary tensor of the final Hessian-schedule model
+    (Hestia) and of the STE model, at ``T0 / 4``: max and median relative error of autograd's
+    directional derivative against a float64 central difference."""
+    out = {}
+    for label, mode in (("Hestia, Hessian T", "hestia"), ("STE (absmean)", "ste")):
+        checks = [M.directional_check(l.weight, mode, cfg.t0 / 4, seed=seed + i)
+                  for i, l in enumerate(M.ternary_layers(models[label]).values())]
+        out[label] = {"max relative error": max(c["rel_error"] for c in checks),
+                      "median relative error": float(np.median([c["rel_error"] for c in checks])),
+                      "tensors": len(checks)}
+    return out
+
+
+def step_time(model, x: torch.Tensor, mode: str, repeats: int = 7, temp: float = 0.3) -> float:
+    """Median seconds of one forward + backward + AdamW step in ``mode`` on batch ``x`` (C5).
+
+    Works on the given model's current weights with a throw-away optimizer; the weights are
+    restored afterwards, so the measurement leaves the model unchanged.
+    """
+    layers = M.ternary_layers(model)
+    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    knobs = {n: (m.temp, m.pressure) for n, m in layers.items()}
+    with M.mode_as(model, mode):
+        for m in layers.values():
+            m.temp, m.pressure = temp, 1.0
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
+        model.train()
+        times = []
+        for i in range(repeats + 1):                   # the first repeat is a warm-up
+            if x.is_cuda:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            loss = model(input_ids=x, labels=x).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if x.is_cuda:
+                torch.cuda.synchronize()
+            if i:
+                times.append(time.perf_counter() - t)
+        model.eval()
+    model.load_state_dict(saved)
+    for n, m in layers.items():
+        m.temp, m.pressure = knobs[n]
+    return float(np.median(times))
+
+
+def step_times(model, x: torch.Tensor, rounds: int, temp: float) -> tuple[list, list]:
+    """:func:`step_time` of STE and Hestia, alternating for ``rounds`` rounds (two repeats each)."""
+    t_ste, t_hes = [], []
+    for _ in range(rounds):
+        t_ste.append(step_time(model, x, "ste", repeats=2))
+        t_hes.append(step_time(model, x, "hestia", repeats=2, temp=temp))
+    return t_ste, t_hes
+
+
+def export_gguf(model, bed: Bed, path, name: str, metadata: dict, ppl_memory: float,
+                n_ternary: int, device) -> dict:
+    """Write ``model``'s ternary tensors as TQ2_0 (Q4_0 where a row is shorter than 256) and read
+    the file back: are the stored weights exactly ``fp16(gamma) * q``, which type each tensor
+    got, the bits per ternary weight, and the held-out perplexity through transformers (and
+    llama.cpp when installed) beside the in-memory hard model's ``ppl_memory``."""
+    codes = {n + ".weight": Q.ternary_quantized(l.weight)
+             for n, l in M.ternary_layers(model).items()}
+    gguf_path = Q.gguf.export_model_gguf(model, path, "TQ2_0", tokenizer=bed.tok, codes=codes,
+                                         name=name, metadata=metadata)
+    stored = {n: Q.gguf.stored_weight(q, "TQ2_0") for n, q in codes.items()}  # fp16(gamma) * q
+    data = Q.gguf.read_gguf(gguf_path)
+    back = dict(Q.gguf.import_model_gguf(copy.deepcopy(bed.base).cpu(), gguf_path)
+                .named_parameters())
+    kinds = pd.Series({k: v["qtype"] for k, v in data.items()
+                       if k.startswith("blk.") and v["values"].ndim == 2})
+    tf_model, _ = Q.gguf.load_transformers(gguf_path)
+    file_ppl = {"in memory (hard ternary)": ppl_memory,
+                "transformers": evaluate.perplexity(tf_model.to(device), bed.held_final)}
+    if Q.gguf.have_llama_cpp():
+        file_ppl["llama.cpp"] = Q.gguf.llama_cpp_perplexity(gguf_path,
+                                                            bed.held_final.cpu().numpy())
+    return {"path": gguf_path, "exact": all(torch.equal(back[n], w) for n, w in stored.items()),
+            "types": kinds.value_counts().to_dict(),
+            "bits": 8 * sum(data[k]["raw"].nbytes for k in kinds.index) / n_ternary,
+            "ppl": file_ppl}
+
+
+def c2_evidence(hists: dict, models: dict, cfg: M.QATConfig) -> dict:
+    """Per Hestia run: the final temperature and gaps, the final relaxed and hard perplexities,
+    and the mean relaxed-vs-hard gap at the start of the anneal and at the last step with T > 0."""
+    c2 = {}
+    for label in ("Hestia, global T", "Hestia, Hessian T"):
+        h = hists[label]
+        anneal = [i for i, s in enumerate(h["gap_step"]) if s > cfg.compress_ratio * cfg.steps]
+        hot = [i for i in anneal if h["gap_temp_mean"][i] > 0]
+        c2[label] = {"final_temp_max": max(m.temp for m in M.ternary_layers(models[label]).values()),
+                     "final_gap_max_rel": h["gap_max"][-1], "final_gap_max_abs":
+                     M.relaxed_gap(M.ternary_layers(models[label]))["max_abs"],
+                     "final_ppl_relaxed": h["relaxed"][-1], "final_ppl_hard": h["hard"][-1],
+                     "mean_gap_anneal_start": h["gap_mean"][anneal[0]],
+                     "mean_gap_last_positive_T": h["gap_mean"][hot[-1]],
+                     "last_positive_T_step": h["gap_step"][hot[-1]]}
+    return c2
+
+
+def schedule_figure(schedules: dict, traces: dict, cfg: M.QATConfig):
+    """Every tensor's temperature over QAT, coloured by its log Hessian trace (floored at 1e-3
+    of the largest), beside the global schedule and the end of the compress phase."""
+    fig, ax = subplots(1, 1, figsize=(6.8, 3.8))
+    logt = {n: math.log10(max(traces[n], 1e-3 * max(abs(v) for v in traces.values())))
+            for n in traces}
+    norm = mpl.colors.Normalize(min(logt.values()), max(logt.values()))
+    cmap = mpl.colormaps["viridis"]
+    xs = np.arange(cfg.steps)
+    for n in traces:
+        ax.plot(xs, [schedules[n].temperature(t) for t in xs], color=cmap(norm(logt[n])), lw=1)
+    glob = M.Schedule(cfg.steps, cfg.t0, cfg.compress_ratio)
+    ax.plot(xs, [glob.temperature(t) for t in xs], "k--", lw=1.4, label="global schedule")
+    ax.axvline(cfg.compress_ratio * cfg.steps, color="grey", lw=0.8, ls=":",
+               label="end of compress")
+    fig.colorbar(mpl.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax,
+                 label="log10 Hessian trace (floored)")
+    ax.set_xlabel("QAT step")
+    ax.set_ylabel("temperature T (codebook units$^2$)")
+    ax.set_title(f"{len(traces)} per-tensor schedules")
+    ax.legend()
+    return fig
