@@ -128,7 +128,3 @@ def test_optimal_scales_match_least_squares():
         ref = torch.linalg.lstsq(L.T @ A, L.T @ W[o].double()).solution
         assert torch.allclose(s[o].double(), ref, rtol=1e-3, atol=1e-5)
 
-
-def test_helpers():
-    assert M.gap_closed(10.0, 20.0, 12.0) == 0.8
-    assert abs(M.loglog_slope([1, 2, 4, 8], [3, 6, 12, 24]) - 1.0) < 1e-6

@@ -25,14 +25,16 @@ batch. Inputs come from the full-precision model (layer-wise, not sequential).
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ..quant import Quantized, block_linears, expand_groups, gptq, levels, output_error, rtn
+from ..quant import Quantized, block_linears, expand_groups, gptq, levels, rtn
+
+__all__ = ["GSQConfig", "temperature", "relaxed_step", "optimal_scales", "gsq", "by_shape",
+           "quantize_model"]
 
 
 @dataclass
@@ -216,51 +218,3 @@ def quantize_model(model, hessians: dict, method: str, bits: int, group_size: in
             info[n] = {"q": q, "levels": lv, "seconds": secs / len(names), "hist": hist,
                        "batch": len(names), "init": starts[n]}
     return weights, info
-
-
-class swapped:
-    """Context manager: temporarily put ``weights`` (name -> tensor) into ``model``'s linears."""
-
-    def __init__(self, model, weights: dict):
-        self.model, self.weights, self.saved = model, weights, {}
-
-    def __enter__(self):
-        mods = dict(self.model.named_modules())
-        with torch.no_grad():
-            for n, w in self.weights.items():
-                p = mods[n].weight
-                self.saved[n] = p.detach().clone()
-                p.copy_(w.to(p.dtype))
-        return self.model
-
-    def __exit__(self, *exc):
-        mods = dict(self.model.named_modules())
-        with torch.no_grad():
-            for n, w in self.saved.items():
-                mods[n].weight.copy_(w)
-        return False
-
-
-def layer_errors(model, hessians: dict, weights: dict) -> dict[str, float]:
-    """Relative reconstruction error ``tr(dW H dW^T) / tr(W H W^T)`` of each layer."""
-    layers = block_linears(model)
-    out = {}
-    for n, wq in weights.items():
-        w = layers[n].weight.detach().float()
-        out[n] = output_error(w, wq, hessians[n]) / output_error(w, torch.zeros_like(w),
-                                                                 hessians[n])
-    return out
-
-
-def gap_closed(ppl_fp: float, ppl_rtn: float, ppl_x: float) -> float:
-    """Fraction of the RTN-to-full-precision perplexity gap that method ``x`` closes."""
-    gap = ppl_rtn - ppl_fp
-    return float("nan") if gap <= 0 else (ppl_rtn - ppl_x) / gap
-
-
-def loglog_slope(x, y) -> float:
-    """Least-squares slope of log y against log x (the scaling exponent)."""
-    lx = torch.tensor([math.log(v) for v in x])
-    ly = torch.tensor([math.log(v) for v in y])
-    lx, ly = lx - lx.mean(), ly - ly.mean()
-    return float((lx * ly).sum() / (lx * lx).sum())

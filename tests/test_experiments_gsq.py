@@ -1,0 +1,86 @@
+"""The GSQ harness (notebook 14): the layer swap, per-layer errors, the ablation's solved scales,
+the gap and slope helpers, and the readers' agreement check."""
+import math
+
+import torch
+from torch import nn
+
+from workbench import quant as Q
+from workbench.experiments import gsq as X
+from workbench.methods import gsq as M
+
+
+class _Two(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 4, bias=False), nn.Linear(4, 3, bias=False)
+
+
+def _hessian(cols, n=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, cols, generator=g)
+    return 2 / n * x.T @ x
+
+
+def test_swapped_puts_weights_in_and_restores_them():
+    m = _Two()
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    new = torch.full((4, 8), 0.5)
+    with X.swapped(m, {"a": new}) as inside:
+        assert torch.equal(inside.a.weight, new) and torch.equal(inside.b.weight, before["b.weight"])
+    assert all(torch.equal(p, before[n]) for n, p in m.named_parameters())
+
+
+def test_layer_errors_are_relative_to_the_weight():
+    lin = nn.Linear(64, 16, bias=False)
+    torch.manual_seed(1)
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList([nn.Module()])
+    model.model.layers[0].mlp = nn.Module()
+    model.model.layers[0].mlp.down_proj = lin
+    name = next(iter(Q.block_linears(model)))
+    H = {name: _hessian(64)}
+    w = lin.weight.detach()
+    err = X.layer_errors(model, H, {name: w.clone()})
+    assert err[name] == 0.0                                            # exact weights: no error
+    assert math.isclose(X.layer_errors(model, H, {name: torch.zeros_like(w)})[name], 1.0,
+                        rel_tol=1e-6)                                  # zero weights: the whole norm
+    rtn = Q.rtn(w, 2, 32).dequantize()
+    assert 0 < X.layer_errors(model, H, {name: rtn})[name] < 1
+
+
+def test_solved_scales_never_do_worse_than_the_assignment_s_own_scales():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 64, generator=g)
+    H = _hessian(64)
+    q = Q.gptq(w, H, 2, 32)
+    lin = nn.Linear(64, 8, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    bed = X.Bed(model=None, tok=None, card={}, calib=None, held=None, layers={"l": lin},
+                H={"l": H}, ppl_fp=0.0, load_s=0.0, t_start=0.0)
+    solved = X.gptq_solved_scales(bed, {"l": {"q": q}}, 32)["l"]
+    assert solved.shape == w.shape
+    assert Q.output_error(w, solved, H) <= Q.output_error(w, q.dequantize(), H) * (1 + 1e-5)
+
+
+def test_gap_closed_and_loglog_slope():
+    assert X.gap_closed(10.0, 20.0, 12.0) == 0.8
+    assert math.isnan(X.gap_closed(10.0, 9.0, 9.5))                    # no gap to close
+    assert abs(X.loglog_slope([1, 2, 4, 8], [3, 6, 12, 24]) - 1.0) < 1e-6
+    assert abs(X.loglog_slope([1, 10, 100], [1, 100, 10_000]) - 2.0) < 1e-6
+
+
+def test_readers_agree_needs_exact_codes_and_matching_perplexities():
+    ok = {"exact": True, "ppl_memory": 10.0, "ppl_transformers": 10.0, "ppl_llama_cpp": 10.05}
+    assert X.readers_agree({"a": ok, "b": dict(ok, ppl_llama_cpp=None)})
+    assert not X.readers_agree({"a": dict(ok, exact=False)})
+    assert not X.readers_agree({"a": dict(ok, ppl_transformers=10.01)})
+    assert not X.readers_agree({"a": dict(ok, ppl_llama_cpp=10.2)})    # beyond 1 %
+
+
+def test_timing_sweep_times_one_layer_per_width():
+    sizes, secs = X.timing_sweep([32, 64], steps=2, lr=M.GSQConfig().lr, seed=0)
+    assert sizes == [32 * 32, 64 * 64] and len(secs) == 2 and all(s > 0 for s in secs)

@@ -1,0 +1,341 @@
+"""The experiments of notebook 14: GSQ, Gumbel-Softmax scalar quantization (the method itself is
+:mod:`workbench.methods.gsq`).
+
+The harness loads the zoo's quantization bed with its calibration Hessians and held-out blocks;
+measures how sensitive the backbone is to its block weights; quantizes every block linear with
+RTN, GPTQ and GSQ at each bit width (and the ablation that only re-solves GPTQ's scales); scores
+the zero-shot task; writes gguf-py's Q4_0 assignment and GSQ's as GGUF files and reads them back
+three ways; and times GSQ against layer size.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import torch
+
+from workbench import evaluate
+from workbench import quant as Q
+from workbench.data import corpus
+from workbench.methods import gsq as M
+from workbench.models import zoo
+from workbench.plots import subplots
+
+__all__ = ["LIMITS", "METHODS", "NAMES", "LLAMA_CPP_PPL_RTOL", "limits", "swapped",
+           "layer_errors", "gap_closed", "loglog_slope", "Bed", "load_bed", "weight_noise",
+           "quantize_all", "gptq_solved_scales", "ppl_metrics", "ppl_table", "flips", "layer_error_means",
+           "diagnostics_figure", "task_scores", "q4_0_round_trip", "readers_agree",
+           "timing_sweep", "timing_figure"]
+
+LIMITS = {"group_size": [32 * k for k in range(1, 65)], "gsq_steps": (2, None),
+          "n_calib": (1, None)}
+METHODS = ("rtn", "gptq", "gsq")
+NAMES = {"rtn": "RTN", "gptq": "GPTQ", "gptq+scales": "GPTQ + solved scales", "gsq": "GSQ"}
+LLAMA_CPP_PPL_RTOL = 0.01        # llama.cpp's Q8_0 activations against the float model
+
+
+def limits() -> dict:
+    """:data:`LIMITS` with the zoo's backbones as the choices of ``model_name``."""
+    return {**LIMITS, "model_name": list(zoo.RECIPES)}
+
+
+class swapped:
+    """Context manager: temporarily put ``weights`` (name -> tensor) into ``model``'s linears."""
+
+    def __init__(self, model, weights: dict):
+        self.model, self.weights, self.saved = model, weights, {}
+
+    def __enter__(self):
+        mods = dict(self.model.named_modules())
+        with torch.no_grad():
+            for n, w in self.weights.items():
+                p = mods[n].weight
+                self.saved[n] = p.detach().clone()
+                p.copy_(w.to(p.dtype))
+        return self.model
+
+    def __exit__(self, *exc):
+        mods = dict(self.model.named_modules())
+        with torch.no_grad():
+            for n, w in self.saved.items():
+                mods[n].weight.copy_(w)
+        return False
+
+
+def layer_errors(model, hessians: dict, weights: dict) -> dict[str, float]:
+    """Relative reconstruction error ``tr(dW H dW^T) / tr(W H W^T)`` of each layer."""
+    layers = Q.block_linears(model)
+    out = {}
+    for n, wq in weights.items():
+        w = layers[n].weight.detach().float()
+        out[n] = Q.output_error(w, wq, hessians[n]) / Q.output_error(w, torch.zeros_like(w),
+                                                                     hessians[n])
+    return out
+
+
+def gap_closed(ppl_fp: float, ppl_rtn: float, ppl_x: float) -> float:
+    """Fraction of the RTN-to-full-precision perplexity gap that method ``x`` closes."""
+    gap = ppl_rtn - ppl_fp
+    return float("nan") if gap <= 0 else (ppl_rtn - ppl_x) / gap
+
+
+def loglog_slope(x, y) -> float:
+    """Least-squares slope of log y against log x (the scaling exponent)."""
+    lx = torch.tensor([math.log(v) for v in x])
+    ly = torch.tensor([math.log(v) for v in y])
+    lx, ly = lx - lx.mean(), ly - ly.mean()
+    return float((lx * ly).sum() / (lx * lx).sum())
+
+
+@dataclass
+class Bed:
+    """The backbone, its block linears, their calibration Hessians and the held-out blocks."""
+    model: torch.nn.Module     # the full-precision backbone (weights swapped in and out)
+    tok: object                # its tokenizer
+    card: dict                 # its zoo card
+    calib: torch.Tensor        # calibration blocks (train split)
+    held: torch.Tensor         # held-out blocks
+    layers: dict               # name -> block linear
+    H: dict                    # name -> calibration Hessian 2/N X X^T
+    ppl_fp: float              # held-out perplexity in full precision
+    load_s: float              # seconds zoo.load took
+    t_start: float             # when the quantization work began (time.time())
+
+    def elapsed(self) -> float:
+        """Seconds since the quantization work began."""
+        return time.time() - self.t_start
+
+    def ppl(self, weights: dict | None = None) -> float:
+        """Held-out perplexity, with ``weights`` (name -> tensor) swapped in when given."""
+        if weights is None:
+            return evaluate.perplexity(self.model, self.held)
+        with swapped(self.model, weights):
+            return evaluate.perplexity(self.model, self.held)
+
+
+def load_bed(model_name: str, scale: str, S: dict, seed: int, device) -> Bed:
+    """Load the zoo backbone (built on first use), draw the calibration windows (seeded) and
+    the held-out blocks, and collect every block linear's Hessian."""
+    t0 = time.time()
+    model, tok = zoo.load(model_name, scale, device=str(device))
+    load_s = time.time() - t0
+    t_start = time.time()
+    calib = corpus.calibration_blocks(tok, S["ctx"], S["n_calib"], seed=seed)
+    held = corpus.heldout_blocks(tok, S["ctx"], S["heldout_blocks"] or None)
+    layers = Q.block_linears(model)
+    H = Q.collect_hessians(model, layers, calib)
+    ppl_fp = evaluate.perplexity(model, held)
+    return Bed(model, tok, model.zoo_card, calib, held, layers, H, ppl_fp, load_s, t_start)
+
+
+def weight_noise(bed: Bed, levels, seed: int, device) -> tuple[dict, float]:
+    """Held-out perplexity with every block weight perturbed as ``w (1 + sigma eps)``,
+    ``eps ~ N(0, 1)`` (one seeded draw per level, in order), and with the block linears zeroed."""
+    gen_noise = torch.Generator(device=device).manual_seed(seed)
+    sensitivity = {}
+    for sigma in levels:
+        noisy = {n: l.weight.detach() * (1 + sigma * torch.randn(l.weight.shape, generator=gen_noise,
+                                                                  device=device))
+                 for n, l in bed.layers.items()}
+        sensitivity[sigma] = bed.ppl(noisy)
+    zeroed = bed.ppl({n: torch.zeros_like(l.weight) for n, l in bed.layers.items()})
+    return sensitivity, zeroed
+
+
+def gptq_solved_scales(bed: Bed, info: dict, group_size: int) -> dict:
+    """The ablation: GPTQ's assignment with the scales re-solved in closed form (eq. 4)."""
+    wq = {}
+    for n, i in info.items():
+        lv = i["q"].level_index.float()
+        s = M.optimal_scales(bed.layers[n].weight.detach()[None].float(), bed.H[n][None],
+                             lv[None], group_size)[0]
+        wq[n] = Q.expand_groups(s, group_size, lv.shape[1]) * lv
+    return wq
+
+
+def quantize_all(bed: Bed, bits_list, group_size: int, cfg: M.GSQConfig, seed: int) -> dict:
+    """(method, bits) -> perplexity, weights, per-layer info, seconds and per-layer errors, for
+    RTN, GPTQ and GSQ (started from GPTQ's assignment) at each bit width, then the
+    ``gptq+scales`` ablation; prints a line per quantization."""
+    results = {}
+    for bits in bits_list:
+        for method in METHODS:
+            t = time.time()
+            init = None if method != "gsq" else {n: results[("gptq", bits)]["info"][n]["q"]
+                                                 for n in bed.layers}
+            weights, info = M.quantize_model(bed.model, bed.H, method, bits, group_size, cfg,
+                                             seed=seed, init=init)
+            secs = time.time() - t
+            ppl = bed.ppl(weights)
+            results[(method, bits)] = {"ppl": ppl, "weights": weights, "info": info, "s": secs,
+                                       "err": layer_errors(bed.model, bed.H, weights)}
+            print(f"{bits} bit {method:5s} ppl {ppl:8.3f}   {secs:5.1f} s")
+        wq = gptq_solved_scales(bed, results[("gptq", bits)]["info"], group_size)
+        results[("gptq+scales", bits)] = {"ppl": bed.ppl(wq)}
+    return results
+
+
+def ppl_metrics(results: dict, bits_list) -> dict:
+    """``ppl_{method}_{bits}bit`` and ``seconds_{method}_{bits}bit`` of RTN, GPTQ and GSQ, and
+    ``ppl_gptq_scales_{bits}bit`` of the ablation."""
+    out = {}
+    for bits in bits_list:
+        for m in METHODS:
+            out.update({f"ppl_{m}_{bits}bit": results[(m, bits)]["ppl"],
+                        f"seconds_{m}_{bits}bit": results[(m, bits)]["s"]})
+        out[f"ppl_gptq_scales_{bits}bit"] = results[("gptq+scales", bits)]["ppl"]
+    return out
+
+
+def ppl_table(results: dict, bits_list, group_size: int, ppl_fp: float) -> pd.DataFrame:
+    """Perplexity per method (rows) and bit width (columns, with bits per weight)."""
+    table = pd.DataFrame({f"{b} bit ({Q.bits_per_weight(b, group_size):.3g} bpw)":
+                          {NAMES[m]: results[(m, b)]["ppl"] for m in NAMES} for b in bits_list})
+    table.loc["full precision"] = ppl_fp
+    return table
+
+
+def flips(results: dict, bits: int) -> np.ndarray:
+    """GSQ's assignment flips per step, summed over the layer batches, at ``bits``."""
+    hists = {id(i["hist"]): i["hist"] for i in results[("gsq", bits)]["info"].values()}
+    return np.sum([h["flips"] for h in hists.values()], axis=0)
+
+
+def layer_error_means(results: dict, bits_list) -> dict:
+    """``layer_err_{method}_{bits}bit``: the mean relative reconstruction error over layers."""
+    return {f"layer_err_{m}_{b}bit": float(np.mean(list(results[(m, b)]["err"].values())))
+            for m in METHODS for b in bits_list}
+
+
+def diagnostics_figure(results: dict, layer_names: list, bits_list):
+    """GSQ's flips per step (all bit widths), and the per-layer error of RTN, GPTQ and GSQ at 2
+    and 3 bits."""
+    fig, axes = subplots(1, 3, figsize=(13, 3.6))
+    ax = axes[0]
+    for bits in bits_list:
+        f = flips(results, bits)
+        ax.plot(np.arange(1, len(f) + 1), np.maximum(f, 0.5), label=f"{bits} bit")
+    ax.set_yscale("log")
+    ax.set_xlabel("GSQ step")
+    ax.set_ylabel("assignment flips (all layers, log)")
+    ax.set_title("GSQ: level changes per step")
+    ax.legend()
+    x = np.arange(len(layer_names))
+    for ax, bits in zip(axes[1:], (2, 3)):
+        for m, off in (("rtn", -0.27), ("gptq", 0.0), ("gsq", 0.27)):
+            ax.bar(x + off, [results[(m, bits)]["err"][n] for n in layer_names], width=0.27,
+                   label=NAMES[m])
+        ax.set_yscale("log")
+        ax.set_xticks(x[::7])
+        ax.set_xticklabels([f"block {n.split('.')[2]}" for n in layer_names[::7]])
+        ax.set_xlabel("layer (q, k, v, o, gate, up, down per block)")
+        ax.set_ylabel("relative reconstruction error (log)")
+        ax.set_title(f"per-layer error, {bits} bit")
+        ax.legend()
+    return fig
+
+
+def task_scores(bed: Bed, results: dict, n: int) -> tuple[str, dict]:
+    """The trained task family the full-precision model does best, and the exact-match accuracy
+    on it of fp and of RTN, GPTQ and GSQ at 2 and 3 bits."""
+    card = bed.card
+    family = max(card["trained_tasks"], key=lambda f: card["task_accuracy"][f])
+    easiest = card["recipe"].get("easiest")
+    acc = {"fp": evaluate.task_accuracy(bed.model, bed.tok, family, n, seed=777, easiest=easiest)}
+    for bits in (2, 3):
+        for m in METHODS:
+            with swapped(bed.model, results[(m, bits)]["weights"]):
+                acc[f"{m}_{bits}bit"] = evaluate.task_accuracy(bed.model, bed.tok, family, n,
+                                                               seed=777, easiest=easiest)
+    return family, acc
+
+
+def _q4_0_file(bed: Bed, label: str, codes: dict, path, name: str, metadata: dict, device,
+               reader: str) -> dict:
+    """Write one Q4_0 assignment as a GGUF file and read it back three ways."""
+    stored = {n: Q.gguf.stored_weight(q, "Q4_0") for n, q in codes.items()}  # levels x fp16 scales
+    ppl_memory = bed.ppl({n[: -len(".weight")]: w.to(device) for n, w in stored.items()})
+    path = Q.gguf.export_model_gguf(bed.model, path, "Q4_0", tokenizer=bed.tok, codes=codes,
+                                    name=name, metadata=metadata)
+    back = dict(Q.gguf.import_model_gguf(copy.deepcopy(bed.model).cpu(), path).named_parameters())
+    tf_model, _ = Q.gguf.load_transformers(path)
+    return {"file": path.name, "bytes": path.stat().st_size,
+            "types": dict(pd.Series(Q.gguf.tensor_types(path)).value_counts()),
+            "exact": all(torch.equal(back[n], w) for n, w in stored.items()),
+            "ppl_memory": ppl_memory,
+            "ppl_transformers": evaluate.perplexity(tf_model.to(device), bed.held),
+            "ppl_llama_cpp": (Q.gguf.llama_cpp_perplexity(path, bed.held.cpu().numpy())
+                              if reader == "llama.cpp" else None)}
+
+
+def q4_0_round_trip(bed: Bed, cfg: M.GSQConfig, seed: int, out_dir, model_name: str,
+                    device) -> dict:
+    """gguf-py's own Q4_0 quantization of every block weight, GSQ started from it (groups of
+    32, 4 bits), both written as GGUF files and read back: ``reader`` (llama.cpp when installed,
+    else transformers), ``files`` (label -> what each reader found), ``ppl_start``,
+    ``ppl_gsq`` (the deciding reader's perplexities) and ``seconds`` (GSQ's)."""
+    start = {n: Q.gguf.q4_0_quantized(lin.weight.detach().cpu().numpy())
+             for n, lin in bed.layers.items()}
+    t = time.time()
+    _, info_q4 = M.quantize_model(bed.model, bed.H, "gsq", 4, 32, cfg, seed=seed, init=start)
+    secs = time.time() - t
+    assignments = {"gguf-py Q4_0": {n + ".weight": q for n, q in start.items()},
+                   "GSQ Q4_0": {n + ".weight": i["q"] for n, i in info_q4.items()}}
+    reader = "llama.cpp" if Q.gguf.have_llama_cpp() else "transformers"
+    files = {label: _q4_0_file(bed, label, codes,
+                               out_dir / f"{model_name}-{label.split()[0]}-q4_0.gguf",
+                               f"{model_name} {label}",
+                               {"workbench.notebook": "14-gsq", "workbench.seed": seed}, device,
+                               reader)
+             for label, codes in assignments.items()}
+    ppl_key = "ppl_llama_cpp" if reader == "llama.cpp" else "ppl_transformers"
+    ppl_start, ppl_gsq = (files[k][ppl_key] for k in assignments)
+    return {"reader": reader, "files": files, "ppl_start": ppl_start, "ppl_gsq": ppl_gsq,
+            "seconds": secs}
+
+
+def readers_agree(files: dict) -> bool:
+    """Every file holds exactly its codes, transformers' perplexity is the in-memory model's
+    (to 1e-5), and llama.cpp's (when read) is within :data:`LLAMA_CPP_PPL_RTOL` of it."""
+    return all(r["exact"] and abs(r["ppl_transformers"] / r["ppl_memory"] - 1) <= 1e-5
+               and (r["ppl_llama_cpp"] is None
+                    or abs(r["ppl_llama_cpp"] / r["ppl_memory"] - 1) <= LLAMA_CPP_PPL_RTOL)
+               for r in files.values())
+
+
+def timing_sweep(dims, steps: int, lr: float, seed: int) -> tuple[list, list]:
+    """Seconds of GSQ (3 bits, groups of 32, started from RTN) on one synthetic square layer of
+    each width in ``dims`` (Hessian from 4 x width Gaussian inputs), after a 2-step warm-up:
+    ``(weights per layer, seconds)``."""
+    gen = torch.Generator().manual_seed(seed)
+    tcfg = M.GSQConfig(steps=steps, lr=lr)
+    sizes, secs = [], []
+    for dim in dims:
+        X = torch.randn(4 * dim, dim, generator=gen)
+        Hd = 2 / len(X) * X.T @ X
+        W = torch.randn(dim, dim, generator=gen) / dim ** 0.5
+        q0 = Q.rtn(W, 3, 32)
+        one = Q.Quantized(q0.codes[None], q0.scale[None], q0.zero[None], 3, 32)
+        M.gsq(W[None], Hd[None], one, M.GSQConfig(steps=2), gen)          # warm-up
+        t = time.perf_counter()
+        M.gsq(W[None], Hd[None], one, tcfg, gen)
+        sizes.append(dim * dim)
+        secs.append(time.perf_counter() - t)
+    return sizes, secs
+
+
+def timing_figure(sizes: list, secs: list, steps: int, slope: float):
+    """Seconds per layer against weights per layer on log axes, with a linear reference."""
+    fig, ax = subplots(1, 1, figsize=(5.2, 3.6))
+    ax.loglog(sizes, secs, "o-", label=f"GSQ, {steps} steps (exponent {slope:.2f})")
+    ax.loglog(sizes, [secs[0] * s / sizes[0] for s in sizes], "k--", lw=1,
+              label="linear in weights")
+    ax.set_xlabel("weights per layer")
+    ax.set_ylabel("seconds per layer")
+    ax.set_title("GSQ cost vs layer size")
+    ax.legend()
+    return fig
