@@ -75,26 +75,28 @@ class Tree:
             self._stop.wait(self.every)
 
     def sample(self):
-        parent = {}
+        stats = {}
         for d in os.listdir("/proc"):
             if d.isdigit() and (s := _stat(int(d))) is not None:
-                parent[int(d)] = s
-        below, frontier = {self.root} & set(parent), {self.root}
-        while frontier:
-            frontier = {p for p, s in parent.items() if s[0] in frontier} - below
-            below |= frontier
+                stats[int(d)] = s
+        below, frontier = [p for p in (self.root,) if p in stats], {self.root}
+        while frontier:                 # level by level: a process's parent comes before it
+            frontier = {p for p, s in stats.items() if s[0] in frontier} - set(below)
+            below += sorted(frontier)
         for pid in below:
-            _, cpu, threads = parent[pid]
+            _, cpu, threads = stats[pid]
             p = self.procs.get(pid)
             if p is None:
                 try:
                     cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
                 except OSError:
                     continue
-                kind = ("runner" if pid == self.root else "kernel" if "ipykernel" in cmd
-                        else "papermill" if "papermill" in cmd
+                up = self.procs.get(stats[pid][0], {}).get("kind")
+                kind = ("runner" if pid == self.root
+                        else "kernel" if "ipykernel" in cmd and up != "kernel"
+                        else "papermill" if "papermill" in cmd and up != "papermill"
                         else "worker" if "spawn_main" in cmd else "other")
-                p = self.procs[pid] = {"kind": kind, "cpu": 0.0, "threads": 0}
+                p = self.procs[pid] = {"kind": kind, "cpu": 0.0, "threads": 0, "cmd": cmd[:80]}
                 if kind == "kernel":
                     try:
                         env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ")
@@ -133,13 +135,36 @@ def measure(cmd: list[str]) -> dict:
     for p in procs.values():
         by_kind[p["kind"]] = by_kind.get(p["kind"], 0.0) + p["cpu"]
     return {"wall": t, "cpu": cpu, "kernel_cpu": sum(p["cpu"] for p in kernels),
-            "kernels": kernels, "by_kind": by_kind, "others": (_machine_cpu() - machine0 - cpu) / t,
+            "kernels": kernels, "by_kind": by_kind,
+            "procs": [(p["kind"], p["cpu"], p["cmd"]) for p in procs.values() if p["cpu"] >= 0.1], "others": (_machine_cpu() - machine0 - cpu) / t,
             "load": os.getloadavg()[0]}
 
 
 def job_seconds(out: Path) -> list[float]:
     return [json.loads(p.read_text())["duration_s"] for p in out.rglob("job.json")
             if not any(part.startswith(".") for part in p.relative_to(out).parts)]
+
+
+def cell_seconds(out: Path) -> float:
+    """Seconds the jobs' cells ran (papermill's per-cell durations in the executed notebooks):
+    the rest of a job's time is papermill's start, the kernel's start and the saves."""
+    total = 0.0
+    for p in out.rglob("job.json"):
+        if any(part.startswith(".") for part in p.relative_to(out).parts):
+            continue
+        nb = json.loads((p.parent / f"{json.loads(p.read_text())['job']['slug']}.ipynb")
+                        .read_text())
+        total += sum(c.get("metadata", {}).get("papermill", {}).get("duration") or 0.0
+                     for c in nb["cells"])
+    return total
+
+
+def numbers(out: Path) -> dict:
+    """seed directory -> the "metrics" and "claims" of its metrics.json: what must not move."""
+    return {str(p.parent.relative_to(out)): {k: json.loads(p.read_text()).get(k)
+                                             for k in ("metrics", "claims")}
+            for p in sorted(out.rglob("metrics.json"))
+            if not any(part.startswith(".") for part in p.relative_to(out).parts)}
 
 
 def kernel_view(m: dict) -> str:
@@ -205,19 +230,28 @@ def main() -> int:
                              args.seeds, "--jobs", str(args.jobs), "--executor", ex,
                              "--out", str(out)])
                 m["jobs"] = sum(job_seconds(out))
+                m["cells"] = cell_seconds(out)
                 t[ex] = m
-                kinds = ", ".join(f"{k} {v:.1f}" for k, v in sorted(m["by_kind"].items()))
+                kinds = ", ".join(f"{k} {v:.1f}" for k, v in sorted(m["by_kind"].items())
+                                  if v >= 0.05)
                 print(f"   pair {rep} {ex:>7}: {m['wall']:.1f} s wall, jobs {m['jobs']:.1f} s "
-                      f"summed; CPU {m['cpu']:.1f} s ({kinds}); beside it "
+                      f"summed (cells {m['cells']:.1f} s, start and saves "
+                      f"{m['jobs'] - m['cells']:.1f} s), in which the kernels got {m['kernel_cpu'] / m['jobs']:.2f} "
+                      f"cores each; CPU {m['cpu']:.1f} s ({kinds}); beside it "
                       f"{m['others']:.2f} cores of other work; {kernel_view(m)}", flush=True)
             t["ratio"] = t["dask"]["wall"] / t["process"]["wall"]
-            print(f"   pair {rep}: ratio {t['ratio']:.3f}", flush=True)
+            same = numbers(tmp / f"process-{rep}") == numbers(tmp / f"dask-{rep}")
+            t["same_numbers"] = same
+            print(f"   pair {rep}: ratio {t['ratio']:.3f}; metrics and claims "
+                  f"{'identical' if same else 'DIFFER'} between the executors", flush=True)
             pairs.append(t)
         if pairs:
             med = lambda f: statistics.median(f(p) for p in pairs)
             print(f"   medians: wall process {med(lambda p: p['process']['wall']):.1f} s, dask "
                   f"{med(lambda p: p['dask']['wall']):.1f} s, ratio {med(lambda p: p['ratio']):.3f}"
-                  f" (target <= 1.10); kernel CPU process "
+                  f" (target <= 1.10); CPU process {med(lambda p: p['process']['cpu']):.1f} s, "
+                  f"dask {med(lambda p: p['dask']['cpu']):.1f} s, ratio "
+                  f"{med(lambda p: p['dask']['cpu'] / p['process']['cpu']):.3f}; kernel CPU process "
                   f"{med(lambda p: p['process']['kernel_cpu']):.1f} s, dask "
                   f"{med(lambda p: p['dask']['kernel_cpu']):.1f} s; rest process "
                   f"{med(lambda p: p['process']['cpu'] - p['process']['kernel_cpu']):.1f} s, dask "
