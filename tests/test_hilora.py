@@ -95,3 +95,63 @@ def test_arrow_prototype_is_the_top_right_singular_vector():
     v = hl._top_right_vector(b, a)
     ref = torch.linalg.svd(b @ a).Vh[0]
     assert torch.allclose(v.abs(), ref.abs(), atol=1e-5)
+
+
+def _char_tokenizer(chars: str):
+    """A character-level tokenizer with <pad>, <bos>, <eos> and <unk>, as the zoo's LMs have."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
+    vocab = {t: i for i, t in enumerate(specials + sorted(set(chars)))}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=t, pad_token="<pad>", bos_token="<bos>",
+                                   eos_token="<eos>", unk_token="<unk>")
+
+
+def test_routed_generation_gives_each_row_its_own_lora():
+    """generate_routed (through workbench.evaluate.generate, gates set per generate batch) writes
+    for every prompt what peft writes with that prompt's LoRA alone; min_new_tokens is honoured
+    and the model's generation defaults are left as they were."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from workbench import evaluate
+    tok = _char_tokenizer("abcdefgh")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    base = LlamaForCausalLM(cfg).eval()
+    lcfg = dict(r=4, lora_alpha=64, target_modules=["q_proj", "v_proj", "down_proj"],
+                init_lora_weights=False)
+    peft = get_peft_model(copy.deepcopy(base), LoraConfig(**lcfg), adapter_name="t0")
+    peft.add_adapter("t1", LoraConfig(**lcfg))
+    peft.eval()
+    prompts = ["abca", "hgfe", "dcba", "beef", "face"]
+    choice = np.array([0, 1, 1, 0, 1])
+    want = []
+    for p, j in zip(prompts, choice):
+        peft.set_adapter(f"t{j}")
+        want += evaluate.generate(peft, tok, [p], max_new_tokens=6)
+    peft.set_adapter("t0")
+    assert want != evaluate.generate(peft, tok, prompts, max_new_tokens=6)   # the LoRAs differ
+    hooks = hl.RocHooks(base, [hl.lora_factors(peft, n) for n in ("t0", "t1")])
+    try:
+        w, k = hl.whole_gates(choice, 2, 4)
+        assert hl.generate_routed(base, tok, prompts, hooks, w, k, max_new_tokens=6, batch=2) == want
+        # an <eos> that always wins (and no other special token): empty completions, unless
+        # min_new_tokens forbids it
+        bias = torch.zeros(len(tok))
+        bias[[tok.pad_token_id, tok.bos_token_id, tok.unk_token_id]] = -100.0
+        bias[tok.eos_token_id] = 100.0
+        h = base.lm_head.register_forward_hook(lambda m, i, out: out + bias)
+        try:
+            assert set(hl.generate_routed(base, tok, prompts, hooks, w, k, max_new_tokens=6)) == {""}
+            fixed = hl.generate_routed(base, tok, prompts, hooks, w, k, max_new_tokens=6, batch=2,
+                                       min_new_tokens=3)
+        finally:
+            h.remove()
+        assert all(c != "" for c in fixed)
+        assert base.generation_config.min_new_tokens is None              # restored
+    finally:
+        hooks.remove()

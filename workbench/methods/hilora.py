@@ -23,8 +23,17 @@ trains a model; the notebook fits a logistic-regression router only as the train
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
+from peft.tuners.lora import LoraLayer
+from sklearn.covariance import LedoitWolf
+
+from .. import evaluate
+
+__all__ = ["lora_factors", "rocs", "prompt_features", "fit_gaussians", "log_likelihoods",
+           "posterior", "select", "allocate", "RocHooks", "whole_gates", "generate_routed"]
 
 # -- ROCs of a peft LoRA -------------------------------------------------------------------------
 
@@ -32,7 +41,6 @@ import torch
 def lora_factors(model, adapter: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """``{base module name: (B, A)}`` of a peft ``adapter``, float32, scaling folded into B, so
     ``B @ A`` is the module's Delta W. Names are those of the plain base model's modules."""
-    from peft.tuners.lora import LoraLayer
     out = {}
     for n, m in model.named_modules():
         if isinstance(m, LoraLayer) and adapter in m.lora_A:
@@ -70,7 +78,6 @@ def fit_gaussians(groups: list[torch.Tensor], ridge: float = 1e-3) -> list[tuple
     """One Gaussian (mean, Ledoit-Wolf shrunk covariance) per group of (n_j, d) features. With very
     few samples Ledoit-Wolf may shrink too little to stay invertible, so ``ridge`` times the mean
     variance is added to the diagonal."""
-    from sklearn.covariance import LedoitWolf
     out = []
     for x in groups:
         x = np.asarray(x, dtype=np.float64)
@@ -232,20 +239,29 @@ def whole_gates(choice: np.ndarray, n: int, rank: int) -> tuple[np.ndarray, np.n
 
 def generate_routed(model, tok, prompts: list[str], hooks: RocHooks | None = None, w=None, k=None,
                     max_new_tokens: int = 16, batch: int = 64, min_new_tokens: int | None = None):
-    """Greedy completions (``transformers`` ``generate`` with its KV cache) of ``prompts``, each
-    row routed by its own gates ``w[i], k[i]`` (None: whatever mode ``hooks`` is in). Cut at
-    ``<eos>``."""
-    device = next(model.parameters()).device
-    tok.padding_side = "left"
-    outs = []
-    with torch.no_grad():
-        for i in range(0, len(prompts), batch):
-            if hooks is not None and w is not None:
-                hooks.set_gates(np.asarray(w)[i: i + batch], np.asarray(k)[i: i + batch])
-            enc = tok([tok.bos_token + p for p in prompts[i: i + batch]], return_tensors="pt",
-                      padding=True, add_special_tokens=False).to(device)
-            gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                                 min_new_tokens=min_new_tokens, pad_token_id=tok.pad_token_id,
-                                 eos_token_id=tok.eos_token_id)
-            outs += tok.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-    return outs
+    """Greedy completions (:func:`workbench.evaluate.generate`: ``transformers`` ``generate``
+    with its KV cache) of ``prompts``, each row routed by its own gates ``w[i], k[i]`` (None:
+    whatever mode ``hooks`` is in). Cut at ``<eos>``; ``min_new_tokens`` forbids ``<eos>`` before
+    that many tokens (a fixed amount of work, for timing)."""
+    with _min_new_tokens(model, min_new_tokens):
+        if hooks is None or w is None:
+            return evaluate.generate(model, tok, prompts, max_new_tokens, batch=batch)
+        outs = []
+        for i in range(0, len(prompts), batch):           # the gates of each generate batch
+            hooks.set_gates(np.asarray(w)[i: i + batch], np.asarray(k)[i: i + batch])
+            outs += evaluate.generate(model, tok, prompts[i: i + batch], max_new_tokens,
+                                      batch=batch)
+        return outs
+
+
+@contextlib.contextmanager
+def _min_new_tokens(model, n: int | None):
+    """``model.generate``'s default ``min_new_tokens`` is ``n`` inside the block (None: as is)."""
+    cfg = model.generation_config
+    old = cfg.min_new_tokens
+    if n is not None:
+        cfg.min_new_tokens = n
+    try:
+        yield
+    finally:
+        cfg.min_new_tokens = old

@@ -1,0 +1,73 @@
+"""Paper 07's harness (workbench.experiments.hilora): selection accuracy against the number of
+fitting inputs, the baselines' gates, and the unseen-domain table, on hand-made inputs."""
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import torch
+
+from workbench.experiments import hilora as X
+
+POOL = ["a", "b", "c"]
+
+
+def _clusters(n, d=6, seed=0, spread=0.05):
+    """``n`` points per family around far-apart centres (one per family of POOL + "h")."""
+    g = np.random.default_rng(seed)
+    centres = {f: 3.0 * np.eye(d)[i] for i, f in enumerate(POOL + ["h"])}
+    return {f: torch.tensor(c + spread * g.standard_normal((n, d)), dtype=torch.float32)
+            for f, c in centres.items()}
+
+
+def test_selection_curve_finds_the_true_lora_on_separable_features():
+    fit = _clusters(16, seed=0)
+    held = _clusters(5, seed=1)
+    eval_x = torch.cat([held[f] for f in POOL + ["h"]])
+    eval_fam = np.repeat(POOL + ["h"], 5)
+    c2 = X.selection_curve({f: fit[f] for f in POOL}, eval_x, eval_fam, POOL, [4, 16],
+                           temperature=1.0, threshold=0.9, k_max=2)
+    assert list(c2.n_fit) == [4, 16]
+    assert (c2.top1_accuracy == 1.0).all() and (c2.selected_contains_true == 1.0).all()
+    assert (c2.mean_selected >= 1).all() and (c2.mean_selected <= 2).all()
+    # the held-out family "h" is not in domain: scoring it as if it were would need a true LoRA
+    swapped = X.selection_curve({"a": fit["b"], "b": fit["a"], "c": fit["c"]}, eval_x, eval_fam,
+                                POOL, [16], 1.0, 0.9, 2)
+    assert abs(float(swapped.top1_accuracy[0]) - 1 / 3) < 1e-9       # only "c" stays right
+
+
+def _bed(rank=4):
+    return SimpleNamespace(pool_families=POOL, families=POOL + ["h"], n_pool=3, n_all=4, rank=rank)
+
+
+def test_method_gates_route_every_prompt_as_each_baseline_says():
+    post = np.array([[0.7, 0.2, 0.1], [0.1, 0.3, 0.6]])
+    mask = np.array([[True, True, False], [False, False, True]])
+    kroc = np.array([[3, 1, 0], [0, 0, 4]])
+    fam = np.array(["a", "h"])
+    gates = X.method_gates(_bed(), post, mask, kroc, fam, np.array([1, 2]), "b", top_k=2)
+    for name, (w, k) in gates.items():
+        assert w.shape == k.shape == (2, 4), name
+        if name != "oracle":                                 # held-out LoRAs serve the oracle only
+            assert not w[:, 3].any(), name
+    w, k = gates["oracle"]
+    assert w[0].tolist() == [1, 0, 0, 0] and w[1].tolist() == [0, 0, 0, 1] and (k[w > 0] == 4).all()
+    assert np.allclose(gates["uniform"][0][:, :3], 1 / 3)
+    assert gates["single best"][0][:, 1].tolist() == [1, 1]
+    assert gates["trained router"][0].argmax(1).tolist() == [1, 2]
+    w, _ = gates["top-k"]
+    assert w[0].tolist() == [0.5, 0.5, 0, 0] and w[1].tolist() == [0, 0.5, 0.5, 0]
+    w, k = gates["HiLoRA"]
+    assert w[:, :3].tolist() == mask.astype(float).tolist() and k[:, :3].tolist() == kroc.tolist()
+    assert not gates["base"][0].any()
+
+
+def test_unseen_table_averages_member_families_and_domains():
+    fams = ["sort", "dedupe", "pattern_skip", "kv", "count", "rotate", "swap"]
+    per_family = pd.DataFrame({"HiLoRA": np.arange(7) / 10, "oracle": np.ones(7)}, index=fams)
+    unseen = X.unseen_table(per_family, fams[:5], ["rotate", "swap"])
+    assert unseen.loc["held-out rotate", "HiLoRA"] == 0.5
+    assert np.isclose(unseen.loc["mix sort+count+kv", "HiLoRA"], (0 + 0.4 + 0.3) / 3)
+    assert np.isclose(unseen.loc["mix all pool", "HiLoRA"], 0.2)
+    assert np.isclose(unseen.loc["mean over unseen domains", "HiLoRA"],
+                      unseen.drop("mean over unseen domains").HiLoRA.mean())
+    assert (unseen.oracle == 1).all()

@@ -1,0 +1,310 @@
+"""The harness of notebook 07 (HiLoRA, Han et al., arXiv 2510.12266): routing over the zoo's pool.
+
+The method (ROCs, the Gaussians, selection, allocation, the routed hooks) is
+:mod:`workbench.methods.hilora`. Here is what the notebook drives around it:
+
+- :func:`load_bed`: the zoo's LoRA pool on one base model, loaded into one ``PeftModel``, and a
+  plain copy of the base carrying :class:`~workbench.methods.hilora.RocHooks` (C1 compares them,
+  :func:`lora_equivalence`);
+- :func:`fit_and_eval_examples`, :func:`features`: each LoRA's fitting inputs (its own training
+  distribution) and the held-out evaluation prompts, as the base model's pooled features;
+- :func:`selection_curve`: in-domain selection accuracy against the number of fitting inputs (C2);
+- :func:`method_gates`, :func:`method_scores`, :func:`unseen_table`, :func:`budget_sweep`: HiLoRA
+  against the base, uniform, single-best, top-k, Arrow, trained-router and oracle routings, each
+  through the same hooks (C3);
+- :func:`throughput`, :func:`active_rocs`: tokens/s of routed generation against one ``peft``
+  LoRA (C4), and which ROCs a prompt switches on.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import torch
+from sklearn.linear_model import LogisticRegression
+
+from .. import evaluate
+from ..data import tasks
+from ..methods import hilora as hl
+from ..models import adapters, zoo
+
+__all__ = ["Bed", "load_bed", "lora_equivalence", "train_inputs", "fit_and_eval_examples",
+           "features", "selection_curve", "pad_pool", "trained_router", "single_best",
+           "method_gates", "longest_answer", "score", "method_scores", "unseen_table",
+           "budget_sweep", "throughput", "active_rocs", "summary"]
+
+FIT_SEED = 7                # the pool's own training-data seed: fitting inputs come from it
+
+
+@dataclass
+class Bed:
+    """The pool and the two models: ``peft_model`` carries every adapter of ``families`` (the
+    routing pool first, then the held-out families' adapters, which only the oracle uses);
+    ``lm`` is a plain copy of the base model with ``hooks`` on it."""
+    pool: adapters.Pool
+    peft_model: object
+    tok: object
+    lm: object
+    hooks: hl.RocHooks
+    pool_families: list
+    families: list
+    with_steps: bool
+
+    @property
+    def rank(self) -> int:
+        return self.pool.card["rank"]
+
+    @property
+    def n_pool(self) -> int:
+        return len(self.pool_families)
+
+    @property
+    def n_all(self) -> int:
+        return len(self.families)
+
+
+def load_bed(base: str, scale: str, pool_families: list, heldout: list) -> Bed:
+    """The zoo's pool on ``base`` at ``scale``: every adapter of ``pool_families + heldout`` in
+    one ``PeftModel``, and the plain base model with the ROC hooks of the same adapters."""
+    families = list(pool_families) + list(heldout)
+    pool = adapters.adapters(base, model_scale=scale)
+    peft_model, tok = pool.load(families)
+    lm, _ = zoo.load(base, scale)
+    hooks = hl.RocHooks(lm, [hl.lora_factors(peft_model, f) for f in families])
+    return Bed(pool, peft_model, tok, lm, hooks, list(pool_families), families,
+               zoo.recipe(base).with_steps)
+
+
+def lora_equivalence(bed: Bed, seed: int) -> tuple[dict, float]:
+    """C1: per pool LoRA, max |hooked base - peft| of the logits with that LoRA's gates fully
+    open (w = 1, k = r) on a few probe prompts; and how far the last LoRA moves the logits from
+    the base model's (so that a zero difference means something)."""
+    probe = tasks.generate("count", 4, seed, 6) + tasks.generate("sort", 4, seed, 5)
+    tok, lm = bed.tok, bed.lm
+    enc = tok([tok.bos_token + e.prompt for e in probe], return_tensors="pt", padding=True,
+              add_special_tokens=False)
+    diffs = {}
+    with torch.no_grad():
+        for j, f in enumerate(bed.pool_families):
+            bed.peft_model.set_adapter(f)
+            want = bed.peft_model(**enc).logits
+            bed.hooks.set_gates(*hl.whole_gates(np.full(len(probe), j), bed.n_all, bed.rank))
+            diffs[f] = float((lm(**enc).logits - want).abs().max())
+        bed.hooks.off()
+        base_gap = float((lm(**enc).logits - want).abs().max())
+    return diffs, base_gap
+
+
+def train_inputs(bed: Bed, family: str, n: int, rng: np.random.Generator) -> tuple[list, set]:
+    """``n`` of the prompts ``family``'s LoRA was trained on (the pool's generator, seed 7, every
+    difficulty), drawn by ``rng``; and the set of all its training prompts."""
+    ds = tasks.get(family).difficulties
+    per = -(-bed.pool.card["size"]["n_train"] // len(ds))
+    exs = [e for d in ds for e in tasks.generate(family, per, FIT_SEED, d)]
+    return [exs[i] for i in rng.choice(len(exs), n, replace=False)], {e.prompt for e in exs}
+
+
+def fit_and_eval_examples(bed: Bed, n_fit: int, n_eval: int, seed: int) -> tuple[dict, dict]:
+    """Per family: ``n_fit`` fitting inputs (:func:`train_inputs`, drawn with ``seed``) and
+    ``n_eval`` held-out prompts at the family's middle difficulty, never among its training
+    prompts."""
+    rng = np.random.default_rng(seed)
+    fit, evals = {}, {}
+    for f in bed.families:
+        fit[f], seen = train_inputs(bed, f, n_fit, rng)
+        evals[f], _ = evaluate.heldout_examples(f, evaluate.MIDDLE[f], n_eval, exclude=seen,
+                                                seed=2000 + seed)
+    return fit, evals
+
+
+def features(bed: Bed, fit: dict, evals: dict) -> tuple[dict, list, np.ndarray, torch.Tensor]:
+    """The base model's pooled features of every pool LoRA's fitting inputs, and of all
+    evaluation prompts: ``(fit_x, eval_examples, eval_families, eval_x)``."""
+    fit_x = {f: hl.prompt_features(bed.lm, bed.tok, [e.prompt for e in fit[f]])
+             for f in bed.pool_families}
+    bed.hooks.off()
+    eval_ex = [e for f in bed.families for e in evals[f]]
+    eval_fam = np.array([e.family for e in eval_ex])
+    return fit_x, eval_ex, eval_fam, hl.prompt_features(bed.lm, bed.tok, [e.prompt for e in eval_ex])
+
+
+def selection_curve(fit_x: dict, eval_x, eval_fam: np.ndarray, pool_families: list, sizes,
+                    temperature: float, threshold: float, k_max: int) -> pd.DataFrame:
+    """C2: for the Gaussians fitted on the first n fitting inputs (n in ``sizes``), the share of
+    in-domain prompts whose most likely LoRA is their own, the share whose own LoRA is among the
+    selected, and the mean number selected."""
+    in_dom = np.isin(eval_fam, pool_families)
+    truth = np.array([pool_families.index(f) if f in pool_families else -1 for f in eval_fam])
+    rows = []
+    for n in sizes:
+        g_n = hl.fit_gaussians([fit_x[f][:n] for f in pool_families])
+        post_n = hl.posterior(hl.log_likelihoods(eval_x, g_n), temperature)
+        mask_n = hl.select(post_n, threshold, k_max)
+        rows.append({"n_fit": n,
+                     "top1_accuracy": float((post_n.argmax(1) == truth)[in_dom].mean()),
+                     "selected_contains_true": float(mask_n[in_dom, truth[in_dom]].mean()),
+                     "mean_selected": float(mask_n[in_dom].sum(1).mean())})
+    return pd.DataFrame(rows)
+
+
+def pad_pool(w: np.ndarray, n_all: int) -> np.ndarray:
+    """Gates over the pool LoRAs, padded with zeros for the held-out (oracle-only) LoRAs."""
+    return np.concatenate([w, np.zeros((len(w), n_all - w.shape[1]), dtype=w.dtype)], 1)
+
+
+def trained_router(fit_x: dict, pool_families: list) -> LogisticRegression:
+    """The training-based peer: logistic regression on the same features and fitting inputs."""
+    x = torch.cat([fit_x[f] for f in pool_families]).numpy()
+    y = np.repeat(np.arange(len(pool_families)), [len(fit_x[f]) for f in pool_families])
+    return LogisticRegression(max_iter=2000).fit(x, y)
+
+
+def single_best(card: dict, pool_families: list) -> str:
+    """The pool LoRA with the best mean accuracy over the pool families, from the pool's card
+    (its own evaluation prompts, not the notebook's)."""
+    acc = {f: np.mean([card["adapters"][f]["accuracy"][g] for g in pool_families])
+           for f in pool_families}
+    return max(acc, key=acc.get)
+
+
+def method_gates(bed: Bed, post: np.ndarray, mask: np.ndarray, kroc: np.ndarray,
+                 eval_fam: np.ndarray, router_choice: np.ndarray, single: str,
+                 top_k: int) -> dict:
+    """Per-prompt gates ``(w, k)`` over all LoRAs of every routing that uses whole gates:
+    base, oracle, uniform, single best, top-k, trained router and HiLoRA (Arrow routes per
+    token: :meth:`RocHooks.set_arrow`)."""
+    n, P, N, r = len(post), bed.n_pool, bed.n_all, bed.rank
+    w_topk = np.zeros((n, P))
+    np.put_along_axis(w_topk, np.argsort(-post, 1)[:, :top_k], 1.0 / top_k, 1)
+    oracle_idx = np.array([bed.families.index(f) for f in eval_fam])
+    return {
+        "base": (np.zeros((n, N)), np.zeros((n, N), int)),
+        "oracle": hl.whole_gates(oracle_idx, N, r),
+        "uniform": (pad_pool(np.full((n, P), 1.0 / P), N), np.full((n, N), r)),
+        "single best": hl.whole_gates(np.full(n, bed.pool_families.index(single)), N, r),
+        "top-k": (pad_pool(w_topk, N), np.full((n, N), r)),
+        "trained router": hl.whole_gates(router_choice, N, r),
+        "HiLoRA": (pad_pool(mask.astype(float), N), pad_pool(kroc, N)),
+    }
+
+
+def longest_answer(bed: Bed, examples: list) -> int:
+    """Tokens in the longest reference completion (with steps where the base writes them)."""
+    return max(len(bed.tok(e.completion(bed.with_steps), add_special_tokens=False)["input_ids"])
+               for e in examples)
+
+
+def score(examples: list, completions: list[str]) -> np.ndarray:
+    """The family verifier's score of each completion."""
+    return np.array([tasks.score(e, c) for e, c in zip(examples, completions)])
+
+
+def method_scores(bed: Bed, examples: list, gates: tuple | None, max_new_tokens: int,
+                  arrow_top: int = 1) -> np.ndarray:
+    """Per-prompt scores of greedy routed generation: under ``gates`` (w, k), or the Arrow
+    router over the pool LoRAs when ``gates`` is None."""
+    prompts = [e.prompt for e in examples]
+    if gates is None:
+        bed.hooks.set_arrow(arrow_top, allowed=np.arange(bed.n_all) < bed.n_pool)
+        comps = hl.generate_routed(bed.lm, bed.tok, prompts, bed.hooks,
+                                   max_new_tokens=max_new_tokens)
+    else:
+        comps = hl.generate_routed(bed.lm, bed.tok, prompts, bed.hooks, *gates,
+                                   max_new_tokens=max_new_tokens)
+    return score(examples, comps)
+
+
+def unseen_table(per_family: pd.DataFrame, pool_families: list, heldout: list) -> pd.DataFrame:
+    """Accuracy per unseen domain (each held-out family; mixtures of pool families, scored as
+    the mean of their members' per-prompt scores) and their mean, per method."""
+    domains = {f"held-out {f}": [f] for f in heldout}
+    domains.update({"mix sort+dedupe+pattern_skip": ["sort", "dedupe", "pattern_skip"],
+                    "mix sort+count+kv": ["sort", "count", "kv"], "mix all pool": pool_families})
+    unseen = pd.DataFrame({d: per_family.loc[fs].mean() for d, fs in domains.items()}).T
+    unseen.loc["mean over unseen domains"] = unseen.mean()
+    return unseen
+
+
+def budget_sweep(bed: Bed, examples: list, rows: np.ndarray, post: np.ndarray, mask: np.ndarray,
+                 budgets, max_new_tokens: int) -> pd.DataFrame:
+    """HiLoRA's accuracy on the prompts ``rows`` for each ROC budget K per token and module."""
+    out = []
+    w = pad_pool(mask.astype(float), bed.n_all)[rows]
+    for K in budgets:
+        kk = pad_pool(hl.allocate(post, mask, K, bed.rank), bed.n_all)
+        comps = hl.generate_routed(bed.lm, bed.tok, [examples[i].prompt for i in rows], bed.hooks,
+                                   w, kk[rows], max_new_tokens=max_new_tokens)
+        out.append({"budget": K, "accuracy": float(np.mean(
+            [tasks.score(examples[i], c) for i, c in zip(rows, comps)]))})
+    return pd.DataFrame(out)
+
+
+def throughput(bed: Bed, prompts: list[str], gauss: list, new_tokens: int, repeats: int,
+               temperature: float, threshold: float, k_max: int, budget: int,
+               adapter: str = "sort") -> dict:
+    """C4: tokens/s of greedy generation of exactly ``new_tokens`` tokens per prompt, one
+    unmerged ``peft`` LoRA (``adapter``) against HiLoRA's full path (features, likelihoods,
+    selection, allocation, the hooked generation); best of ``repeats`` interleaved repeats, so
+    that a burst of load hits both alike."""
+    def single_lora():
+        bed.peft_model.set_adapter(adapter)
+        return hl.generate_routed(bed.peft_model, bed.tok, prompts, None,
+                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+
+    def hilora_path():
+        bed.hooks.off()
+        x = hl.prompt_features(bed.lm, bed.tok, prompts)
+        p = hl.posterior(hl.log_likelihoods(x, gauss), temperature)
+        m = hl.select(p, threshold, k_max)
+        k = pad_pool(hl.allocate(p, m, budget, bed.rank), bed.n_all)
+        return hl.generate_routed(bed.lm, bed.tok, prompts, bed.hooks,
+                                  pad_pool(m.astype(float), bed.n_all), k,
+                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+
+    best = {"single peft LoRA": np.inf, "HiLoRA": np.inf}
+    for _ in range(repeats):
+        for name, fn in (("single peft LoRA", single_lora), ("HiLoRA", hilora_path)):
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return {name: len(prompts) * new_tokens / t for name, t in best.items()}
+
+
+def active_rocs(bed: Bed, gates: tuple, mask: np.ndarray, prompts: list[str],
+                module: str = "layers.1.mlp.up_proj") -> dict:
+    """Which ROCs are on, token by token, in one ``module`` for one prompt under ``gates``: the
+    first prompt whose routing selected two LoRAs (else the first prompt). Returns the prompt's
+    index, the full module name, ``on`` (LoRA x ROC, tokens), the row names and the tokens."""
+    two = np.flatnonzero(mask.sum(1) > 1)
+    i0 = int(two[0]) if len(two) else 0
+    bed.hooks.set_gates(gates[0][i0: i0 + 1], gates[1][i0: i0 + 1])
+    ids = bed.tok(bed.tok.bos_token + prompts[i0], return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        bed.lm(**ids)
+    name = [n for n in bed.hooks.active if module in n][0]
+    on = bed.hooks.active[name][0]                                  # (tokens, LoRAs in use, r)
+    return {"prompt": i0, "module": name,
+            "on": on.reshape(on.shape[0], -1).T.float().numpy(),   # (LoRA x ROC, tokens)
+            "rows": [f"{bed.families[j]} #{i}" for j in bed.hooks.sel.tolist()
+                     for i in range(bed.rank)],
+            "tokens": bed.tok.convert_ids_to_tokens(ids["input_ids"][0].tolist())}
+
+
+def summary(c2: pd.DataFrame, unseen: pd.DataFrame, per_family: pd.DataFrame,
+            budgets: pd.DataFrame, heldout: list) -> dict:
+    """The scalars "What we saw" quotes: top-1 selection accuracy per number of fitting inputs,
+    each method's mean over the unseen domains, the held-out families' best non-oracle score,
+    HiLoRA and the oracle on ``sort``, and the accuracy at the smallest and largest ROC budget."""
+    out = {f"c2_top1_n{int(r.n_fit)}": float(r.top1_accuracy) for r in c2.itertuples()}
+    mean = unseen.loc["mean over unseen domains"]
+    out.update({"c3_unseen_" + m.lower().replace(" ", "_").replace("-", "_"): float(v)
+                for m, v in mean.items()})
+    others = per_family.loc[heldout].drop(columns="oracle").mean()
+    out.update(c3_heldout_hilora=float(others["HiLoRA"]), c3_heldout_best_other=float(others.max()),
+               c3_sort_hilora=float(per_family.loc["sort", "HiLoRA"]),
+               c3_sort_oracle=float(per_family.loc["sort", "oracle"]),
+               c3_budget_lowest=float(budgets.accuracy.iloc[0]),
+               c3_budget_highest=float(budgets.accuracy.iloc[-1]))
+    return out
