@@ -23,18 +23,21 @@ bits (:class:`workbench.quant.QuantLinear`, round-to-nearest per group).
 
 We implement the reference's ``output_one_block`` layout (column blocks, one output block), in
 which ``L`` is the large core and ``R`` the small one, as the abstract describes; its
-``input_one_block`` and ``square`` layouts are not used here.
+``input_one_block`` and ``square`` layouts are not used here. The baselines, the cached
+fine-tunes and the cost measurement of notebook 16 live in :mod:`workbench.experiments.fura`.
 """
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 from torch import nn
 
 from ..quant import QuantLinear, rtn
-from .. import cache
+
+__all__ = ["closest_factor_pair", "block_svd", "fura_parameters", "lora_parameters", "FuraLinear",
+           "target_linears", "apply_fura", "full_finetune", "quantize_linears", "dense_weights",
+           "outside_span", "numerical_rank", "trainable"]
 
 
 def closest_factor_pair(d: int) -> tuple[int, int]:
@@ -231,139 +234,5 @@ def numerical_rank(delta: torch.Tensor, rtol: float = 1e-6) -> int:
 
 
 def trainable(model: nn.Module) -> int:
+    """The number of trainable parameters of ``model``."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
-# -- cost of a training step -------------------------------------------------------------------
-
-def step_cost(model, batch: dict, steps: int = 5, warmup: int = 2) -> dict:
-    """Median wall ms of one AdamW step (forward, backward, update) on ``batch``, and the peak
-    memory that step allocates beyond what is live before it: ``torch.cuda`` peak statistics on
-    a GPU, else the running sum of the allocations and frees that ``torch.profiler`` records
-    (``profile_memory``) over one step, from a state where the optimizer's moments exist. The
-    weights themselves are counted apart (``weight_mb``: every parameter and buffer)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=0.0)               # lr 0: the cost, not the update
-    device = next(model.parameters()).device
-    batch = {k: v.to(device) for k, v in batch.items()}
-    model.train()
-
-    def step():
-        loss = model(**batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    times = []
-    for i in range(warmup + steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(1000 * (time.perf_counter() - t0))
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        step()
-        peak = torch.cuda.max_memory_allocated(device) - before
-    else:
-        from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            step()
-        ev = sorted((e for e in prof.events() if e.cpu_memory_usage),
-                    key=lambda e: e.time_range.start)
-        run, peak = 0, 0
-        for e in ev:
-            run += e.cpu_memory_usage
-            peak = max(peak, run)
-    state = sum(t.numel() * t.element_size() for s in opt.state.values()
-                for t in s.values() if torch.is_tensor(t))
-    weights = sum(t.numel() * t.element_size() for t in
-                  list(model.parameters()) + list(model.buffers()))
-    model.eval()
-    return {"step_ms": float(sorted(times)[len(times) // 2]), "peak_step_mb": peak / 2 ** 20,
-            "optimizer_mb": state / 2 ** 20, "weight_mb": weights / 2 ** 20,
-            "trainable": sum(p.numel() for p in params)}
-
-
-# -- the methods side by side, and their one-time fine-tunes --------------------------------------
-
-METHODS = ("lora", "dora", "full", "svd", "fura", "qlora", "qfura")
-GROUP = "16-fura"        # cache_dir()/16-fura: the notebook's fine-tunes
-
-
-def prepare(model: nn.Module, method: str, rank: int = 8, lora_scale: float = 2.0,
-            seed: int = 0, bits: int = 4, group_size: int = 32) -> nn.Module:
-    """``model`` (changed in place, or wrapped by peft) ready to fine-tune with ``method``:
-    ``lora``/``dora`` (peft, :func:`workbench.models.finetune.lora_model`), ``full`` (every weight
-    of the projections), ``svd`` (one block: W = U S V^T, U frozen), ``fura`` (the block
-    factorization, eq. 1), ``qlora`` (a ``bits``-bit base + peft LoRA), ``qfura`` (FuRA with
-    the frozen core in ``bits`` bits)."""
-    from peft.tuners.lora.layer import Linear as LoraLinear
-    from ..models import finetune
-    targets = finetune.TARGETS
-    if method in ("lora", "dora"):
-        return finetune.lora_model(model, rank, lora_scale, seed, use_dora=method == "dora")
-    if method == "qlora":
-        quantize_linears(model, targets, bits, group_size)
-        return finetune.lora_model(model, rank, lora_scale, seed,
-                                   custom_modules={QuantLinear: LoraLinear})
-    if method == "full":
-        full_finetune(model, targets)
-    elif method in ("svd", "fura", "qfura"):
-        apply_fura(model, targets, blocks=1 if method == "svd" else None,
-                   core_bits=bits if method == "qfura" else None, group_size=group_size)
-    else:
-        raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
-    return model
-
-
-def cached_finetune(base: str, zoo_scale: str, method: str, pairs, settings: dict, evaluate,
-                    every: int, device: str = "cpu"):
-    """Fine-tune zoo model ``base`` with ``method`` on ``pairs`` (``packing.encode`` rows) once,
-    evaluating ``evaluate(model) -> dict`` every ``every`` steps, and cache the trainable
-    tensors and that trajectory (``cache.build``, keyed by the base model's key, the
-    rows and ``settings``: lr, steps, batch, seed, rank, lora_scale, bits, group_size, and
-    whatever names the evaluation). Returns ``(model, info)``: the tuned model in eval mode and
-    ``{"trajectory": [...], "train_seconds", "cached"}``."""
-    import copy
-    import json
-    from ..models import finetune, zoo
-    key = cache.key(zoo.recipe(base).key(zoo_scale), method, pairs, settings)
-    path = cache.folder(GROUP) / f"{method}-{base}-{zoo_scale}-{key}"
-    cached = (path / "done.json").exists()
-    s = settings
-
-    def fresh():
-        m, _ = zoo.load(base, zoo_scale, device=device)
-        return prepare(m, method, s["rank"], s["lora_scale"], s["seed"], s["bits"],
-                       s["group_size"])
-
-    def build(tmp):
-        model, traj = fresh(), []
-
-        def checkpoint(step, loss):
-            if step % every == 0 or step == s["steps"]:
-                model.eval()
-                traj.append({"step": step, "loss": loss, **evaluate(model)})
-
-        t0 = time.time()
-        finetune.train_steps(model, pairs, s["steps"], s["batch"], s["lr"], s["seed"],
-                             s["pad_id"], callback=checkpoint)
-        state = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
-        torch.save(state, tmp / "trainable.pt")
-        return {"trajectory": traj, "train_seconds": round(time.time() - t0, 2),
-                "settings": {k: v for k, v in s.items() if k != "eval"}}
-
-    cache.build(path, build)
-    model = fresh()
-    state = torch.load(path / "trainable.pt")
-    missing = set(state) - {n for n, _ in model.named_parameters()}
-    if missing:
-        raise RuntimeError(f"cached {method} fine-tune names unknown tensors: {sorted(missing)[:3]}")
-    model.load_state_dict(state, strict=False)
-    info = json.loads((path / "done.json").read_text())
-    return model.eval(), {**copy.deepcopy(info), "cached": cached, "path": str(path)}

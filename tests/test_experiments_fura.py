@@ -1,0 +1,88 @@
+"""The harness of notebook 16 (workbench.experiments.fura) on a tiny module: the methods it
+prepares, the update it reads back, the 4-bit core bound and retention at equal target accuracy."""
+import pytest
+
+torch = pytest.importorskip("torch")
+pd = pytest.importorskip("pandas")
+from torch import nn  # noqa: E402
+
+from workbench.experiments import fura as xp  # noqa: E402
+from workbench.methods import fura  # noqa: E402
+
+
+class Tiny(nn.Module):
+    """Two projections named as in the zoo's Llama (``q_proj`` square, ``up_proj`` tall)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 16)
+        self.q_proj = nn.Linear(16, 16, bias=False)
+        self.up_proj = nn.Linear(16, 48, bias=False)
+
+    def forward(self, i):
+        return self.up_proj(self.q_proj(self.emb(i)))
+
+
+def _tiny():
+    torch.manual_seed(0)
+    return Tiny()
+
+
+@pytest.mark.parametrize("method,blocks", [("svd", 1), ("fura", 4)])
+def test_prepare_reconstructs_and_trains_only_the_cores(method, blocks):
+    m0 = _tiny()
+    W0 = xp.pretrained_weights(m0)
+    assert list(W0) == ["q_proj", "up_proj"]
+    m = xp.prepare(_tiny(), method)
+    assert xp.only_cores_trainable(m)
+    assert {mod.n for mod in m.modules() if isinstance(mod, fura.FuraLinear)} == {blocks}
+    recon = xp.reconstruction(m, W0, rank=2)
+    assert recon.rel_error.max() < 1e-5
+    assert (recon.trainable == recon.closed_form).all()
+    # untrained, the update read back is zero (the reference is the method's own init)
+    d = xp.update(m0, m, method, list(W0))
+    assert max(float(v.abs().max()) for v in d.values()) == 0.0
+    # a trained core moves the update, and it stays in span(U_j) of the blocks
+    with torch.no_grad():
+        m.up_proj.R.add_(0.1 * torch.randn_like(m.up_proj.R))
+    d = xp.update(m0, m, method, list(W0))
+    U = fura.block_svd(W0["up_proj"], m.up_proj.n)[0]
+    assert float(d["up_proj"].norm()) > 0.01
+    assert fura.outside_span(d["up_proj"], U) < 1e-6
+
+
+def test_full_finetune_update_leaves_the_column_space():
+    m0, m = _tiny(), xp.prepare(_tiny(), "full")
+    assert {n for n, p in m.named_parameters() if p.requires_grad} == {"q_proj.weight", "up_proj.weight"}
+    W0 = xp.pretrained_weights(m0)
+    with torch.no_grad():
+        m.up_proj.weight.add_(0.1 * torch.randn_like(m.up_proj.weight))
+    d = xp.update(m0, m, "full", list(W0))
+    U1 = fura.block_svd(W0["up_proj"], 1)[0]
+    assert fura.outside_span(d["up_proj"], U1) > 0.1
+
+
+def test_qfura_core_lies_within_half_a_grid_step():
+    m0 = _tiny()
+    W0 = xp.pretrained_weights(m0)
+    q = xp.prepare(_tiny(), "qfura", bits=4, group_size=16)
+    assert xp.core_within_bound(q, W0)
+    err = xp.qfura_init_error(m0, W0, 4, 16)
+    assert set(err) == set(W0) and all(0 < e < 0.5 for e in err.values())
+    assert set(xp.qlora_init_error(W0, 4, 16)) == set(W0)
+
+
+def test_retention_at_the_first_checkpoint_reaching_tau():
+    traj = pd.DataFrame({"method": ["svd"] * 3 + ["full"] * 3, "step": [1, 2, 3] * 2,
+                         "target": [0.2, 0.5, 0.6, 0.4, 0.9, 1.0],
+                         "retention": [0.8, 0.7, 0.6, 0.5, 0.3, 0.1]})
+    tau = xp.equal_target_level(traj, "full", "svd")
+    assert tau == 0.6
+    assert xp.retention_at(traj, "svd", tau) == 0.6
+    assert xp.retention_at(traj, "full", tau) == 0.3        # first checkpoint at or above 0.6
+    assert xp.retention_at(traj, "full", 1.5) is None
+
+
+def test_prepare_rejects_an_unknown_method():
+    with pytest.raises(ValueError, match="unknown method"):
+        xp.prepare(_tiny(), "bogus")
