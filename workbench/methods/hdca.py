@@ -32,24 +32,20 @@ slope dl/dcos, constant for cosine logits, grows without bound as cos -> 1 (resh
 high-similarity regions). tau is not learned: it is set so that the logit range over
 cos in [-1, 1] equals the cosine head's (2 * CLIP's logit scale), see :func:`poincare_tau`.
 
-Metrics (:func:`cil_metrics`) follow PyCIL (G-U-N/PyCIL, ``trainer.py`` and ``utils/toolkit.py``):
-average incremental accuracy = mean of the accuracy curve over sessions (accuracy on all classes
-seen so far, after each session), last accuracy = the curve's last point, forgetting = mean over
-the old tasks of (best accuracy on that task's classes over sessions - its final accuracy).
+The class-incremental harness (sessions, training, PyCIL's metrics, baselines, the ablation) is
+the notebook's: :mod:`workbench.experiments.hdca`.
 """
 from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["compress", "compression_ratio", "mobius_add", "poincare_distance", "to_ball",
            "poincare_tau", "cosine_logits", "poincare_logits", "logit_slope", "LowRankAdapter",
-           "HDCAAdapter", "train_session", "accuracy", "cil_metrics", "run_sessions",
-           "session_splits", "ABLATION"]
+           "HDCAAdapter"]
 
 _EPS = 1e-15
 
@@ -188,119 +184,3 @@ class HDCAAdapter(nn.Module):
 
     def trainable(self):
         return [p for p in self.parameters() if p.requires_grad]
-
-
-# -- training and evaluation --------------------------------------------------------------------
-
-def _logits(z, w, head, scale, alpha, c_head):
-    if head == "cosine":
-        return cosine_logits(z, w, scale)
-    return poincare_logits(z, w, scale, alpha, c_head)
-
-
-def train_session(adapter: HDCAAdapter, f, y, w, head: str = "poincare", scale: float = 36.0,
-                  steps: int = 100, lr: float = 1e-2, batch: int = 256, alpha: float = 1.0,
-                  c_head: float = 1.0, generator=None, log_every: int = 0) -> dict:
-    """Adam on the current session's trainable factors, cross-entropy over the classes seen so
-    far (text features ``w``, (K, d)) on this session's features ``(f, y)`` (plus a replay
-    buffer's, for that baseline: the caller concatenates them). Returns the loss curve and, every
-    ``log_every`` steps, the mean raw and compressed norms of the current session's residual."""
-    params = adapter.trainable()
-    opt = torch.optim.Adam(params, lr=lr)
-    out = {"loss": [], "raw": [], "compressed": []}
-    n = len(f)
-    for step in range(steps):
-        idx = torch.randperm(n, generator=generator)[:batch] if n > batch else slice(None)
-        loss = F.cross_entropy(_logits(adapter(f[idx]), w, head, scale, alpha, c_head), y[idx])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        out["loss"].append(float(loss.detach()))
-        if log_every and step % log_every == 0:
-            with torch.no_grad():
-                u = adapter.residuals(f[idx])[-1]
-                out["raw"].append(float(u.norm(dim=-1).mean()))
-                out["compressed"].append(float(compress(u, adapter.c_task).norm(dim=-1).mean()))
-    return out
-
-
-def accuracy(adapter, f, y, w, head="cosine", scale=36.0, alpha=1.0, c_head=1.0) -> float:
-    with torch.no_grad():
-        z = adapter(f) if adapter is not None else f
-        pred = _logits(z, w, head, scale, alpha, c_head).argmax(-1)
-    return float((pred == y).float().mean()) if len(y) else float("nan")
-
-
-def session_splits(n_classes: int, n_sessions: int, seed: int) -> list[np.ndarray]:
-    """A seeded class order cut into ``n_sessions`` equal groups (the class-incremental split)."""
-    order = np.random.default_rng([seed, 303]).permutation(n_classes)
-    return np.array_split(order, n_sessions)
-
-
-def cil_metrics(acc_table: np.ndarray, curve) -> dict:
-    """PyCIL's metrics. ``acc_table[k, t]``: accuracy on task k's classes after session t
-    (k <= t); ``curve[t]``: accuracy on all classes seen after session t. Forgetting: mean over
-    k < T - 1 of max_t acc_table[k, t] - acc_table[k, T - 1] (PyCIL ``trainer.py``)."""
-    a = np.asarray(acc_table, dtype=float)
-    T = a.shape[1]
-    forg = [np.nanmax(a[k, k:]) - a[k, T - 1] for k in range(T - 1)]
-    return {"avg_incremental": float(np.mean(curve)), "last": float(curve[-1]),
-            "forgetting": float(np.mean(forg)) if forg else 0.0}
-
-
-# the C4 ablation: which compression stage is on (per-task c, cumulative c) as 0 / 1 factors
-ABLATION = {"none": (0, 0), "per-task": (1, 0), "cumulative": (0, 1), "both": (1, 1)}
-
-
-def run_sessions(f_tr, y_tr, f_te, y_te, w, splits, adapter: HDCAAdapter | None,
-                 head: str, scale: float, steps: int, lr: float, replay_per_class: int = 0,
-                 alpha: float = 1.0, c_head: float = 1.0, seed: int = 0,
-                 log_every: int = 0) -> dict:
-    """One class-incremental run: for each session, add its classes, train (unless zero-shot),
-    evaluate on the test images of every class seen so far. ``replay_per_class`` > 0 keeps that
-    many random training features per old class in a buffer (the replay baseline; HDCA keeps
-    none). Returns the accuracy table, curve, PyCIL metrics and per-session displacement norms."""
-    g = torch.Generator().manual_seed(seed)
-    T = len(splits)
-    table = np.full((T, T), np.nan)
-    curve, disp, logs = [], [], []
-    seen: list[int] = []
-    buffer: list[torch.Tensor] = []
-    for t, cls in enumerate(splits):
-        seen += [int(k) for k in cls]
-        remap = {k: i for i, k in enumerate(seen)}      # labels index the seen classes' heads
-        ws = w[seen]
-        tr = torch.as_tensor(np.isin(y_tr.numpy(), cls))
-        f_t, y_t = f_tr[tr], y_tr[tr]
-        if adapter is not None:
-            adapter.new_session()
-            if buffer:
-                idx = torch.cat(buffer)
-                f_t, y_t = torch.cat([f_t, f_tr[idx]]), torch.cat([y_t, y_tr[idx]])
-            y_loc = torch.as_tensor([remap[int(k)] for k in y_t])
-            logs.append(train_session(adapter, f_t, y_loc, ws, head, scale, steps, lr,
-                                      alpha=alpha, c_head=c_head, generator=g,
-                                      log_every=log_every))
-            if replay_per_class:
-                for k in cls:
-                    members = torch.nonzero(y_tr == int(k)).flatten()
-                    pick = torch.randperm(len(members), generator=g)[:replay_per_class]
-                    buffer.append(members[pick])
-        te = torch.as_tensor(np.isin(y_te.numpy(), seen))
-        y_loc_te = torch.as_tensor([remap[int(k)] for k in y_te[te]])
-        curve.append(accuracy(adapter, f_te[te], y_loc_te, ws, head, scale, alpha, c_head))
-        for k, old in enumerate(splits[: t + 1]):
-            m = torch.as_tensor(np.isin(y_te.numpy(), old))
-            yk = torch.as_tensor([remap[int(j)] for j in y_te[m]])
-            table[k, t] = accuracy(adapter, f_te[m], yk, ws, head, scale, alpha, c_head)
-        if adapter is not None:
-            with torch.no_grad():
-                us = adapter.residuals(f_te)
-                disp.append({"session": t,
-                             "task_raw": float(us[-1].norm(dim=-1).mean()),
-                             "task_compressed": float(compress(us[-1], adapter.c_task)
-                                                      .norm(dim=-1).mean()),
-                             "sum_raw": float(sum(us).norm(dim=-1).mean()),
-                             "cumulative": float(adapter.displacement(f_te).norm(dim=-1).mean())})
-    return {"table": table, "curve": curve, **cil_metrics(table, curve), "displacement": disp,
-            "logs": logs}

@@ -1,0 +1,145 @@
+"""The harness of notebook 03 (HDCA): training a session, PyCIL's metrics, the
+class-incremental split and runs, the seeded comparison and the C1/C2 diagnostics."""
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from workbench.experiments import hdca as ex
+from workbench.methods import hdca
+
+
+def _train_on(n_classes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.nn.functional.normalize(torch.randn(n_classes, 8, generator=g), dim=-1)
+    y = torch.arange(n_classes).repeat(5)
+    f = torch.nn.functional.normalize(w[y] + 0.8 * torch.randn(len(y), 8, generator=g), dim=-1)
+    ad = hdca.HDCAAdapter(8, rank=2, per_session=True, c_task=4.0, c_cum=4.0)
+    ad.new_session()
+    ex.train_session(ad, f, y, w, "poincare", 10.0, steps=5, lr=1e-2, generator=g)
+    return ad.state_dict()
+
+
+def test_saved_state_holds_no_per_class_statistics():
+    # the state is the adapter factors only; its keys and shapes do not depend on the classes
+    s2, s5 = _train_on(2), _train_on(5)
+    assert set(s2) == set(s5) == {"adapters.0.A", "adapters.0.B"}
+    assert all(s2[k].shape == s5[k].shape for k in s2)
+    assert s2["adapters.0.A"].shape == (2, 8) and s2["adapters.0.B"].shape == (8, 2)
+
+
+def test_training_a_session_lowers_its_loss():
+    g = torch.Generator().manual_seed(0)
+    w = torch.nn.functional.normalize(torch.randn(4, 8, generator=g), dim=-1)
+    y = torch.arange(4).repeat(10)
+    f = torch.nn.functional.normalize(torch.randn(len(y), 8, generator=g), dim=-1)
+    ad = hdca.HDCAAdapter(8, rank=4, per_session=True, c_task=1.0, c_cum=1.0)
+    ad.new_session()
+    out = ex.train_session(ad, f, y, w, "poincare", 10.0, steps=60, lr=3e-2, generator=g,
+                             log_every=10)
+    assert out["loss"][-1] < out["loss"][0] - 0.1
+    assert len(out["raw"]) == 6 and all(c <= r + 1e-6 for r, c in zip(out["raw"], out["compressed"]))
+
+
+# -- metrics (PyCIL) ----------------------------------------------------------------------------
+
+def test_cil_metrics_follow_pycil():
+    table = np.array([[0.9, 0.6, 0.5], [np.nan, 0.8, 0.4], [np.nan, np.nan, 0.7]])
+    curve = [0.9, 0.7, 0.55]
+    m = ex.cil_metrics(table, curve)
+    assert m["avg_incremental"] == pytest.approx(np.mean(curve))
+    assert m["last"] == pytest.approx(0.55)
+    assert m["forgetting"] == pytest.approx(((0.9 - 0.5) + (0.8 - 0.4)) / 2)
+
+
+def test_session_splits_partition_the_classes():
+    s = ex.session_splits(10, 5, seed=3)
+    assert len(s) == 5 and all(len(p) == 2 for p in s)
+    assert sorted(np.concatenate(s).tolist()) == list(range(10))
+    assert not all(np.array_equal(a, b) for a, b in zip(s, ex.session_splits(10, 5, seed=4)))
+
+
+def test_run_sessions_on_separable_features():
+    g = torch.Generator().manual_seed(1)
+    w = torch.nn.functional.normalize(torch.randn(6, 16, generator=g), dim=-1)
+    y = torch.arange(6).repeat(8)
+    f = torch.nn.functional.normalize(w[y] + 0.3 * torch.randn(len(y), 16, generator=g), dim=-1)
+    splits = ex.session_splits(6, 3, seed=0)
+    zs = ex.run_sessions(f, y, f, y, w, splits, None, "cosine", 20.0, 0, 0.0)
+    assert zs["table"].shape == (3, 3) and np.isnan(zs["table"][1, 0])
+    assert zs["last"] > 0.9                                       # separable: zero-shot is right
+    ad = hdca.HDCAAdapter(16, rank=2, per_session=True, c_task=4.0, c_cum=4.0)
+    r = ex.run_sessions(f, y, f, y, w, splits, ad, "poincare", 20.0, 20, 1e-2, seed=0)
+    assert len(r["displacement"]) == 3 and len(ad.adapters) == 3
+    assert all(d["cumulative"] <= 0.5 + 1e-6 for d in r["displacement"])
+
+
+def _bed(seed=1, n_classes=6, d=16):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.nn.functional.normalize(torch.randn(n_classes, d, generator=g), dim=-1)
+    y = torch.arange(n_classes).repeat(8)
+    f = torch.nn.functional.normalize(w[y] + 0.6 * torch.randn(len(y), d, generator=g), dim=-1)
+    return {"f_tr": f, "y_tr": y, "f_te": f, "y_te": y, "w": w,
+            "names": [str(k) for k in range(n_classes)], "splits": ex.session_splits(n_classes, 3, 0)}
+
+
+S = {"steps": 5, "lr": 1e-2, "rank": 2, "alpha": 1.0, "c_head": 1.0, "c_task": 4.0, "c_cum": 4.0,
+     "replay_per_class": 2}
+
+
+def test_every_adapter_starts_from_the_same_initialisation():
+    # the factors are drawn at the first session, from torch's generator seeded at creation
+    a = ex.new_adapter(16, 2, 7, True, 4.0, 4.0)
+    a.new_session()
+    b = ex.new_adapter(16, 2, 7, False)
+    b.new_session()
+    assert torch.equal(a.adapters[0].A, b.adapters[0].A)
+    c = ex.new_adapter(16, 2, 8)
+    c.new_session()
+    assert not torch.equal(a.adapters[0].A, c.adapters[0].A)
+
+
+def test_compare_methods_is_deterministic_and_fills_the_ablation():
+    bed = _bed()
+    res, abl, ad = ex.compare_methods(bed, S, 20.0, seed=0)
+    assert list(res) == ["zero-shot", "seq-ft", "replay", "hdca"]
+    assert set(abl) == {(s, h) for s in ex.ABLATION for h in ("cosine", "poincare")}
+    assert abl["both", "poincare"] is res["hdca"] and len(ad.adapters) == 3
+    again, _, _ = ex.compare_methods(bed, S, 20.0, seed=0)
+    for m in res:
+        assert res[m]["curve"] == again[m]["curve"]
+    # the ablation's "none" keeps no compression: its displacement is the raw sum
+    d = abl["none", "cosine"]["displacement"][-1]
+    assert d["cumulative"] == pytest.approx(d["sum_raw"], rel=1e-5)
+    w = ex.wins(res, ["zero-shot", "seq-ft"])
+    assert set(w) == {"zero-shot", "seq-ft"} and set(w["seq-ft"]) == {"avg", "last", "forgetting"}
+
+
+def test_residual_growth_keeps_direction_and_saturates_at_the_bound():
+    bed = _bed()
+    ad = ex.new_adapter(16, 2, 0, True, 16.0, 16.0)
+    ex.run_sessions(bed["f_tr"], bed["y_tr"], bed["f_te"], bed["y_te"], bed["w"], bed["splits"],
+                    ad, "poincare", 20.0, 10, 1e-2)
+    grow, cos_min = ex.residual_growth(ad, bed["f_te"], 2.0 ** np.arange(-8, 7))
+    assert len(grow) == 3 * 15 and cos_min > 1 - 1e-9
+    mean = grow.groupby("k")[["raw", "compressed"]].mean()
+    assert (mean.compressed <= 0.25 + 1e-9).all()
+    assert mean.compressed.iloc[0] / mean.raw.iloc[0] > 0.99
+
+
+def test_the_poincare_head_ranks_as_the_cosine_head():
+    bed = _bed()
+    ad = ex.new_adapter(16, 2, 0, True, 4.0, 4.0)
+    ad.new_session()
+    with torch.no_grad():
+        ad.adapters[0].B.normal_(0, 1.0)
+    r = ex.ranking_agreement(ad, bed, 20.0, 1.0, 1.0)
+    assert r["argmax_agree"] == 1.0 and r["order_agree"] == 1.0 and r["classes"] == 6
+    s = ex.slope_ratios(20.0, 1.0, 1.0)
+    assert s["cosine_0.95_over_0"] == pytest.approx(1.0) and s["poincare_0.95_over_0"] > 1.5
+
+
+def test_curvature_sweep_has_one_row_per_curvature():
+    sweep = ex.curvature_sweep(_bed(), S, 20.0, 0, [1.0, 64.0])
+    assert list(sweep.index) == [1.0, 64.0] and list(sweep.columns) == list(ex.METRICS)
+    assert isinstance(sweep, pd.DataFrame)
