@@ -19,9 +19,10 @@ import math
 import sys
 from pathlib import Path
 
-__all__ = ["load_runs", "is_timing", "diff_metrics", "added_metrics", "compare", "main"]
+__all__ = ["load_runs", "is_timing", "diff_metrics", "added_metrics", "compare", "unpaired", "main"]
 
 TIMING_SUFFIXES = ("_s", "_seconds", "seconds", "_time", "_sec", "_ms")
+TIMING_WORDS = ("seconds", "_ms", "wall", "cost_ratio", "speedup", "time_")   # wall-clock costs
 
 
 def load_runs(root: Path) -> dict[str, dict]:
@@ -37,8 +38,10 @@ def load_runs(root: Path) -> dict[str, dict]:
 
 
 def is_timing(name: str) -> bool:
-    n = name.lower()
-    return n.endswith(TIMING_SUFFIXES) or "seconds" in n or n.startswith(("time_", "wall"))
+    """A wall-clock measure: any dotted part of the name ends like a time (``train_s``,
+    ``step_ms``) or names a cost ratio or speed-up measured on the clock."""
+    parts = name.lower().split(".")
+    return any(p.endswith(TIMING_SUFFIXES) or any(w in p for w in TIMING_WORDS) for p in parts)
 
 
 def _flat(d, prefix=""):
@@ -108,10 +111,14 @@ def compare(before: Path, after: Path, tol: float = 0.0, only=None) -> tuple[lis
     lines = []
     for j in jobs:
         lines += [f"{j}: {line}" for line in diff_metrics(a[j], b[j], tol)]
-    for j in sorted(set(a) ^ set(b)):
-        if not only or j.split("/")[0] in only:
-            lines.append(f"{j}: only in {'before' if j in a else 'after'}")
     return lines, len(jobs)
+
+
+def unpaired(before: Path, after: Path, only=None) -> list[str]:
+    """Jobs that only one of the two folders holds (not compared)."""
+    a, b = load_runs(before), load_runs(after)
+    return [f"{j}: only in {'before' if j in a else 'after'}" for j in sorted(set(a) ^ set(b))
+            if not only or j.split("/")[0] in only]
 
 
 def main(argv=None) -> int:
@@ -130,7 +137,8 @@ def main(argv=None) -> int:
     a, b = load_runs(args.before), load_runs(args.after)
     added = sum(len(added_metrics(a[j], b[j])) for j in set(a) & set(b)
                 if not args.only or j.split("/")[0] in args.only)
-    print("\n".join(lines))
+    print("\n".join(lines + [f"(not compared) {u}" for u in unpaired(args.before, args.after,
+                                                                       args.only)]))
     print(f"{n} jobs compared, {len(lines)} differences" + (f" (tol {args.tol})" if args.tol else
                                                              " (exact)")
           + f"; {added} metrics recorded only after (added, not moved)")
