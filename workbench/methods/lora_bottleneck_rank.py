@@ -45,10 +45,23 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import cvxpy as cp
 import numpy as np
+import pandas as pd
 import torch
 import torch.nn.functional as F
+from peft import LoraConfig, get_peft_model
+from peft.tuners.lora import LoraLayer
 from torch import nn
+
+__all__ = ["RTOL", "numeric_rank", "row_basis", "bottleneck_rank", "project_rows",
+           "outside_energy", "null_update", "centered", "softmax_shift_gap", "trace_norm", "svt",
+           "psd_perturbation", "LeastSquares", "prox_grad", "kkt_residual", "cvxpy_solve",
+           "perturbation_gap_bound", "low_rank_features", "peft_linear", "lora_delta",
+           "train_lora", "spectral_complexity", "spearman", "loss_positions",
+           "feeding_positions", "block_features", "attention_bases", "value_outside_energy",
+           "DeltaHooks", "no_rope", "lm_loss", "block_svt", "learn_update",
+           "constant_key_update"]
 
 RTOL = 1e-6          # numeric rank: singular values above RTOL * sigma_max (float64 SVD)
 
@@ -233,7 +246,6 @@ def kkt_residual(problem: LeastSquares, d: torch.Tensor, rtol: float = 1e-8) -> 
 
 def cvxpy_solve(problem: LeastSquares) -> tuple[np.ndarray, float]:
     """The same problem (2) through ``cvxpy`` (an independent conic solver): (D, objective)."""
-    import cvxpy as cp
     x, r = problem.x.numpy(), problem.r.numpy()
     dvar = cp.Variable(problem.shape)
     obj = 0.5 / x.shape[0] * cp.sum_squares(x @ dvar.T - r) + problem.lam * cp.normNuc(dvar)
@@ -279,7 +291,6 @@ class _Linear(nn.Module):
 def peft_linear(d_in: int, d_out: int, rank: int, seed: int = 0) -> nn.Module:
     """A ``peft`` LoRA model of one linear layer: D = B A * (alpha / r) with alpha = r, so the
     scaling is 1 and weight decay lam/2 (||A||^2 + ||B||^2) is the variational trace norm."""
-    from peft import LoraConfig, get_peft_model
     torch.manual_seed(seed)
     cfg = LoraConfig(r=rank, lora_alpha=rank, target_modules=["lin"], lora_dropout=0.0,
                      bias="none")
@@ -288,7 +299,6 @@ def peft_linear(d_in: int, d_out: int, rank: int, seed: int = 0) -> nn.Module:
 
 def lora_delta(model: nn.Module) -> torch.Tensor:
     """The dense update B A * scaling of every peft LoRA layer in ``model``, summed per name."""
-    from peft.tuners.lora import LoraLayer
     out = {}
     for name, m in model.named_modules():
         if isinstance(m, LoraLayer) and "default" in m.lora_A:
@@ -336,7 +346,6 @@ def train_lora(problem: LeastSquares, rank: int, seed: int = 0, max_iter: int = 
 
 
 def _lora_dense(model):
-    from peft.tuners.lora import LoraLayer
     for m in model.modules():
         if isinstance(m, LoraLayer) and "default" in m.lora_A:
             yield m.lora_B["default"].weight @ m.lora_A["default"].weight * m.scaling["default"]
@@ -357,7 +366,6 @@ def spectral_complexity(x, d_out: int, tau: float) -> float:
 
 def spearman(a, b) -> float:
     """Spearman rank correlation (ties get the mean rank)."""
-    import pandas as pd
     return float(pd.Series(a).rank().corr(pd.Series(b).rank()))
 
 
