@@ -410,6 +410,8 @@ def test_declared_limits_are_checked_before_any_job_starts(fixture_notebooks, tm
     assert parse_limit("steps (None: the scale's size)") is None
     assert parse_limit("see (1..n)") is None
     assert parse_limit("x (0..1]").allows(1) and not parse_limit("x (0..1]").allows(0)
+    device = parse_limit("auto, cpu or cuda {auto|cpu|cuda}")
+    assert device.allows("cuda:1") and not device.allows("cuda:x") and not device.allows("gpu")
     assert not (tmp_path / "never").exists()
 
 

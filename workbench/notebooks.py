@@ -126,7 +126,10 @@ class Limit:
 
     def allows(self, value) -> bool:
         if self.choices is not None:
-            return str(value) in self.choices
+            # a device choice "cuda" admits one GPU by number ("cuda:1"), as pick_device does
+            text = str(value)
+            return text in self.choices or (
+                "cuda" in self.choices and re.fullmatch(r"cuda:\d+", text) is not None)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or \
                 (isinstance(value, float) and math.isnan(value)):
             return False
