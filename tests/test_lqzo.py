@@ -8,6 +8,7 @@ from torch import nn
 
 from workbench import quant as Q
 from workbench.quant import QuantLinear
+from workbench.experiments import lqzo as X
 from workbench.methods import lqzo as M
 
 STRUCTURES = [M.Perturbation(law) for law in M.LAWS] + \
@@ -152,7 +153,7 @@ def test_zo_step_builds_no_graph_and_moves_only_scales():
         seen.append((torch.is_grad_enabled(), loss.grad_fn, loss.requires_grad))
         return loss
 
-    with M.SavedForBackward() as sv:
+    with X.SavedForBackward() as sv:
         out = M.zo_step(watched, params, M.Perturbation("bag", 2, True), 3, 1e-3, 1e-3)
     assert sv.bytes == 0 and sv.count == 0                  # autograd saved nothing
     assert seen == [(False, None, False)] * 2
@@ -161,7 +162,7 @@ def test_zo_step_builds_no_graph_and_moves_only_scales():
     assert all(torch.equal(c, q.get_submodule(n).codes) for n, c in codes.items())
     assert all(bool((p >= M.MIN_SCALE).all()) for p in params)
     assert isinstance(q.layers[0][0], Q.QuantLinear) and out["graph_built"] is False
-    with M.SavedForBackward() as sv2:                       # a backprop forward does save
+    with X.SavedForBackward() as sv2:                       # a backprop forward does save
         loss_fn()
     assert sv2.bytes > 0
 
@@ -183,7 +184,7 @@ def test_true_gradient_matches_central_differences_and_estimator_quality_runs():
     x, y = torch.randn(64, 16), torch.randn(64, 4)
     loss_fn = lambda: ((q(x) - y) ** 2).mean()
     params = list(scales.values())
-    G = M.true_gradient(loss_fn, params)
+    G = X.true_gradient(loss_fn, params)
     assert all(g.shape == p.shape for g, p in zip(G, params))
     # every scale entry against a central difference, on a float64 copy so that h can be small
     q64 = copy.deepcopy(q).double()
@@ -202,12 +203,12 @@ def test_true_gradient_matches_central_differences_and_estimator_quality_runs():
                 flat_s[i] += h
                 assert (up - down) / (2 * h) == pytest.approx(float(g.view(-1)[i]), rel=1e-4,
                                                               abs=1e-7)
-    res = M.estimator_quality(loss_fn, params, M.Perturbation("gaussian"), G, range(50), 1e-4)
-    lin = M.linearized_quality(G, M.Perturbation("gaussian"), 50, 0)
+    res = X.estimator_quality(loss_fn, params, M.Perturbation("gaussian"), G, range(50), 1e-4)
+    lin = X.linearized_quality(G, M.Perturbation("gaussian"), 50, 0)
     assert all(c > 0 for c in res["cos"])                    # g Z always points uphill-ish
     assert abs(sum(res["cos"]) / 50 - sum(lin["cos"]) / 50) < 0.1
     sv = torch.linalg.svdvals(G[0])
-    assert 0 < M.energy_top(sv, 1) <= 1 and M.energy_top(sv, len(sv)) == pytest.approx(1)
+    assert 0 < X.energy_top(sv, 1) <= 1 and X.energy_top(sv, len(sv)) == pytest.approx(1)
 
 
 def test_bad_arguments_raise():

@@ -32,6 +32,9 @@ LQZO changes only how ``Z`` is drawn, per layer (:class:`Perturbation`):
 
 Laws: ``gaussian``, ``rademacher``, ``bag``. Full-dimensional Gaussian ``Z`` on the scales is the
 QZO baseline; full-dimensional Gaussian on every fp weight is fp MeZO (the reference ceiling).
+
+The task, the estimator-quality analysis, the fine-tuning runs and the memory count are the
+notebook's harness: :mod:`workbench.experiments.lqzo`.
 """
 from __future__ import annotations
 
@@ -43,6 +46,10 @@ import torch
 from torch import nn
 
 from ..quant import QuantLinear, block_linears
+
+__all__ = ["LAWS", "CLIP", "MIN_SCALE", "Perturbation", "ladder", "sample_law", "law_moments",
+           "near_square", "factor_shape", "sample_direction", "sample_batch", "directions",
+           "perturb_", "two_point", "zo_step", "zo_estimate", "quantize", "codes_snapshot", "flat"]
 
 LAWS = ("gaussian", "rademacher", "bag")
 CLIP = 100.0          # QZO: directional derivative clipped to [-CLIP, CLIP]
@@ -246,147 +253,7 @@ def codes_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: m.codes.clone() for n, m in model.named_modules() if isinstance(m, QuantLinear)}
 
 
-def lm_loss(model, batch: dict) -> torch.Tensor:
-    """Mean next-token cross-entropy on the labelled (answer) tokens."""
-    return model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
-
-
-def subset(batch: dict, idx) -> dict:
-    return {k: v[idx] for k, v in batch.items()}
-
-
-# -- the true gradient and estimator quality --------------------------------------------------
-
-def true_gradient(loss_fn, params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Autograd gradient of ``loss_fn()`` w.r.t. ``params`` (the reference for comparisons)."""
-    with torch.enable_grad():
-        loss = loss_fn()
-        return [g.detach() for g in torch.autograd.grad(loss, params)]
-
-
 def flat(ts) -> torch.Tensor:
+    """A list of tensors as one flat float64 vector (estimates and gradients compared whole)."""
     return torch.cat([t.reshape(-1).double() for t in ts])
 
-
-def cosine(a, b) -> float:
-    a, b = flat(a), flat(b)
-    return float(a @ b / (a.norm() * b.norm()).clamp(min=1e-300))
-
-
-def estimator_quality(loss_fn, params, p: Perturbation, grad, seeds, eps: float) -> dict:
-    """Cosine to the true gradient and normalized squared error ``||g Z - G||^2 / ||G||^2`` of
-    two-point estimates, one per seed (2 forward passes each)."""
-    G = flat(grad)
-    gn2 = float(G @ G)
-    cos, err = [], []
-    for s in seeds:
-        est = flat(zo_estimate(loss_fn, params, p, s, eps))
-        cos.append(float(est @ G / (est.norm() * G.norm()).clamp(min=1e-300)))
-        err.append(float(((est - G) ** 2).sum()) / gn2)
-    return {"cos": cos, "sq_err": err}
-
-
-def linearized_quality(grad, p: Perturbation, n: int, seed: int) -> dict:
-    """The same statistics in the ``eps -> 0`` limit: ``g = <Z, G>`` exactly, no forward
-    passes, so ``n`` can be large. ``grad`` is a list of tensors perturbed jointly.
-
-    With ``d = <Z, G>``: cosine ``|d| / (||Z|| ||G||)``, squared error
-    ``||d Z - G||^2 / ||G||^2 = (d^2 ||Z||^2 - 2 d^2 + ||G||^2) / ||G||^2``.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    d = torch.zeros(n, dtype=torch.float64)
-    z2 = torch.zeros(n, dtype=torch.float64)
-    g2 = 0.0
-    for t in grad:
-        G = t.detach().cpu().double()
-        Z = sample_batch(n, G.shape, p, gen).double()
-        d += (Z * G).reshape(n, -1).sum(1)
-        z2 += (Z ** 2).reshape(n, -1).sum(1)
-        g2 += float((G ** 2).sum())
-    cos = d.abs() / (z2.sqrt() * math.sqrt(g2))
-    err = (d ** 2 * z2 - 2 * d ** 2 + g2) / g2
-    return {"cos": cos.tolist(), "sq_err": err.tolist()}
-
-
-def energy_top(sv: torch.Tensor, k: int) -> float:
-    """Fraction of ``sum sigma^2`` in the top ``k`` singular values."""
-    e = sv.double() ** 2
-    return float(e[:k].sum() / e.sum().clamp(min=1e-300))
-
-
-# -- memory -----------------------------------------------------------------------------------
-
-def tensor_bytes(ts) -> int:
-    return sum(t.numel() * t.element_size() for t in ts)
-
-
-class SavedForBackward:
-    """Counts the bytes autograd saves for backward while active (``saved_tensors_hooks``):
-    the activation memory that separates a backprop step from inference."""
-
-    def __init__(self):
-        self.bytes = 0
-        self.count = 0
-
-    def __enter__(self):
-        def pack(t):
-            self.bytes += t.numel() * t.element_size()
-            self.count += 1
-            return t
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._ctx.__exit__(*exc)
-        return False
-
-
-def memory_profile(model, scales: list[torch.Tensor], loss_fn, zo_fn) -> dict:
-    """Bytes each kind of step must hold, measured the same way for all three.
-
-    ``state``: parameters and buffers of the model. ``saved``: tensors autograd keeps for
-    backward during the step (counted by hooks). ``grads``: gradient buffers of the trained
-    tensors (backprop only). On CUDA also ``torch.cuda.max_memory_allocated`` per step.
-    """
-    state = tensor_bytes(list(model.parameters()) + list(model.buffers()))
-    dev = next(model.parameters()).device
-    out = {}
-
-    def cuda_peak(fn):
-        if dev.type != "cuda":
-            return None
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(dev)
-        base = torch.cuda.memory_allocated(dev)
-        fn()
-        torch.cuda.synchronize()
-        return int(torch.cuda.max_memory_allocated(dev) - base)
-
-    def infer():
-        with torch.no_grad():
-            loss_fn()
-
-    def backprop():
-        loss = loss_fn()
-        loss.backward()
-
-    for name, fn, grads in (("inference", infer, 0), ("zo_step", zo_fn, 0),
-                            ("backprop", backprop, tensor_bytes(scales))):
-        with SavedForBackward() as sv:
-            peak = cuda_peak(fn)
-            if peak is None:
-                fn()
-        out[name] = {"state": state, "saved": sv.bytes, "grads": grads,
-                     "total": state + sv.bytes + grads, "cuda_peak_extra": peak}
-        for s in scales:
-            s.grad = None
-    return out
-
-
-__all__ = ["LAWS", "CLIP", "MIN_SCALE", "Perturbation", "ladder", "sample_law", "law_moments",
-           "near_square", "factor_shape", "sample_direction", "sample_batch", "directions",
-           "perturb_", "two_point", "zo_step", "zo_estimate", "quantize", "codes_snapshot",
-           "lm_loss", "subset", "true_gradient", "flat", "cosine",
-           "estimator_quality", "linearized_quality", "energy_top", "tensor_bytes",
-           "SavedForBackward", "memory_profile"]
