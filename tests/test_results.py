@@ -112,3 +112,15 @@ def test_compare_reports_moved_metrics_and_verdicts_not_timings(tmp_path):
     assert compare.diff_metrics(json.loads((a / "99-demo/smoke/seed-0/metrics.json").read_text()),
                                 more) == []
     assert compare.added_metrics({"metrics": {}}, more) == ["acc", "curve.0", "curve.1", "new"]
+
+
+def test_workbench_report_records_a_three_seed_smoke_run(project, capsys):
+    from workbench import cli
+    run = project / "runs"
+    for s in (0, 1, 2):
+        job(run, "99-demo", s, 0.5 + s / 10, True)
+    assert cli.main(["report", str(run), "--no-html", "--no-record"]) == 0
+    assert results.load("99-demo") is None
+    assert cli.main(["report", str(run), "--no-html"]) == 0
+    assert f"recorded: {results.path('99-demo')}" in capsys.readouterr().out
+    assert results.load("99-demo")["claims"]["C1"]["holds"] == [True, True, True]

@@ -212,6 +212,10 @@ def cmd_report(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"report: {index}\nresults: {index.parent / 'results.csv'}")
+    if not args.no_record:
+        from . import results        # imports the zoo's recipes (torch) only when it records
+        for path in results.record(Path(args.dir)):
+            print(f"recorded: {path} (What we saw reads it; commit it with the notebook)")
     return 0
 
 
@@ -226,12 +230,12 @@ def cmd_new(args) -> int:
     return 0
 
 
-def _format_cards(cards: list[dict]) -> str:
+def _format_cards(built: list[dict]) -> str:
     """The LM and pool cards as the zoo's table, the mini-CLIP cards as their own."""
-    from .models import clip, zoo
-    clips = [c for c in cards if c.get("kind") == "clip"]
-    text = zoo.format_cards([c for c in cards if c.get("kind") != "clip"])
-    return text + ("\n\nmini-CLIP: zero-shot top-1 accuracy\n" + clip.format_cards(clips)
+    from .cards import format_cards, format_clip_cards
+    clips = [c for c in built if c.get("kind") == "clip"]
+    text = format_cards([c for c in built if c.get("kind") != "clip"])
+    return text + ("\n\nmini-CLIP: zero-shot top-1 accuracy\n" + format_clip_cards(clips)
                    if clips else "")
 
 
@@ -394,6 +398,9 @@ def parser() -> argparse.ArgumentParser:
     rep.add_argument("dir")
     rep.add_argument("--no-html", action="store_true",
                      help="do not render executed notebooks as HTML (faster)")
+    rep.add_argument("--no-record", action="store_true",
+                     help="do not write notebooks/results/<slug>.json for notebooks whose default "
+                          "smoke run has seeds 0, 1 and 2 ok here (What we saw reads those files)")
 
     z = sub.add_parser("zoo", help="build, list or clear the shared pretrained backbones")
     z.add_argument("action", choices=("build", "list", "clear"))
