@@ -29,14 +29,21 @@ abstract; (1) is our reading of "task loss plus a reward for routing choices".
 from __future__ import annotations
 
 import contextlib
+import copy
+import warnings
 import zlib
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from peft import LoraConfig, get_peft_model
+from torch import nn
 
-from .. import cache
+from ..data import packing
+
+__all__ = ["IGNORE", "ARCH_TARGETS", "prompt_features", "target_modules", "lora_delta",
+           "lora_hooks", "trunk", "LoraGenerator", "HAPS", "answer_loss", "reward_augmented_loss",
+           "supervised_loss", "static_labels", "Settings", "forward_all", "train_haps", "peft_with"]
 
 IGNORE = -100
 
@@ -175,17 +182,6 @@ class HAPS(nn.Module):
         return self.gens[name.replace(".", "_")](self.h(x, name))
 
 
-class StaticRouter(nn.Module):
-    """Architecture-only routing: a classifier over the candidates as black boxes."""
-
-    def __init__(self, n: int, d_in: int, d_h: int):
-        super().__init__()
-        self.net = nn.Sequential(trunk(d_in, d_h), nn.Linear(d_h, n))
-
-    def forward(self, x):
-        return self.net(x)
-
-
 # -- objectives ---------------------------------------------------------------------------------
 
 def answer_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -258,7 +254,6 @@ def train_haps(haps: HAPS, models: dict, pairs: dict, pad_ids: dict, x: torch.Te
     """Train ``haps`` on queries ``x`` (n, d_in); ``pairs[name]``: the encoded (ids, labels) of
     every query in candidate ``name``'s tokenizer and answer style; ``labels``: the static
     routing labels (used by the supervised objective only). The candidates stay frozen."""
-    from ..data import packing
     for m in models.values():
         m.requires_grad_(False).eval()
     opt = torch.optim.AdamW(haps.parameters(), lr=s.lr, weight_decay=0.0)
@@ -286,46 +281,13 @@ def train_haps(haps: HAPS, models: dict, pairs: dict, pad_ids: dict, x: torch.Te
     return log
 
 
-def train_static_router(x, labels, n: int, d_h: int, steps: int, lr: float, seed: int):
-    """Architecture-only router: cross-entropy on the static routing labels, full batch."""
-    torch.manual_seed(seed)
-    net = StaticRouter(n, x.shape[1], d_h)
-    opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=1e-4)
-    for _ in range(steps):
-        loss = F.cross_entropy(net(x), labels)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return net.eval()
-
-
-# -- evaluation -----------------------------------------------------------------------------------
-
-def adapted_completions(model, tok, haps: HAPS, name: str, prompts: list[str],
-                        x: torch.Tensor, scale: float, max_new_tokens: int,
-                        batch: int = 64) -> list[str]:
-    """Greedy completions of candidate ``name`` with each prompt's own generated LoRA."""
-    from ..models import zoo
-    from .. import evaluate
-    mods = [m for _, m, _, _ in target_modules(model)]
-    device = next(model.parameters()).device
-    outs = []
-    with torch.no_grad():
-        for i in range(0, len(prompts), batch):
-            with lora_hooks(mods, haps.lora(x[i: i + batch].to(device), name), scale):
-                outs += evaluate.generate(model, tok, prompts[i: i + batch], max_new_tokens,
-                                     batch=batch)
-    return outs
-
+# -- the peft reference ---------------------------------------------------------------------------
 
 def peft_with(model, names: list[str], factors: list[tuple[torch.Tensor, torch.Tensor]],
               scale: float):
     """A deep copy of ``model`` with a ``peft`` LoRA on the modules ``names`` whose
     ``lora_A``/``lora_B`` are the given (A (r, in), B (out, r)) of one example: the reference the
     generated update must equal."""
-    import copy
-    import warnings
-    from peft import LoraConfig, get_peft_model
     rank = factors[0][0].shape[0]
     cfg = LoraConfig(r=rank, lora_alpha=scale * rank, lora_dropout=0.0, target_modules=names,
                      fan_in_fan_out=model.config.model_type == "gpt2")
@@ -339,125 +301,3 @@ def peft_with(model, names: list[str], factors: list[tuple[torch.Tensor, torch.T
             m.lora_A["default"].weight.copy_(A)
             m.lora_B["default"].weight.copy_(B)
     return pm
-
-
-def n_params(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-# -- the benchmark and the cached one-time computations -------------------------------------------
-
-GROUP = "haps"          # this notebook's folder under the cache
-
-
-def benchmark(families: list[str], n_train: int, n_test: int, seed: int):
-    """A mixed benchmark: ``n_train`` training queries per family (every difficulty) and up to
-    ``n_test`` test queries per family whose prompts never occur in training."""
-    from ..data import tasks
-    train = [e for f in families for e in tasks.generate(f, n_train, 1000 + seed)]
-    seen = {e.prompt for e in train}
-    test = []
-    for f in families:
-        cand = [e for e in tasks.generate(f, 3 * n_test, 2000 + seed) if e.prompt not in seen]
-        test += cand[:n_test]
-    return train, test
-
-
-def encode(tok, examples, with_steps: bool):
-    """``(ids, labels)`` of each example in a candidate's tokenizer and answer style."""
-    from ..data import packing
-    return packing.encode(tok, [e.prompt for e in examples],
-                          [e.completion(with_steps) for e in examples])
-
-
-def max_new_tokens(tok, examples, with_steps: bool) -> int:
-    return 2 + max(len(tok(e.completion(with_steps), add_special_tokens=False)["input_ids"])
-                   for e in examples)
-
-
-def teacher_forced(model, tok, examples, with_steps: bool, batch: int = 128):
-    """Answer loss and teacher-forced reward of a static candidate on each example."""
-    from ..data import packing
-    pairs, dev = encode(tok, examples, with_steps), next(model.parameters()).device
-    losses, hits = [], []
-    with torch.no_grad():
-        for i in range(0, len(pairs), batch):
-            b = packing.pad(pairs[i: i + batch], tok.pad_token_id)
-            loss, hit = answer_loss(model(input_ids=b["input_ids"].to(dev)).logits,
-                                    b["labels"].to(dev))
-            losses += loss.tolist()
-            hits += hit.tolist()
-    return losses, hits
-
-
-def static_scores(names, zoo_scale: str, models: dict, toks: dict, splits: dict) -> dict:
-    """Per candidate, per split, per example: greedy exact match (the family's verifier) and the
-    answer loss of the static model, computed once and cached (``cache.build``)."""
-    import json
-    from ..data import tasks
-    from ..models import finetune, zoo
-    key = cache.key([zoo.recipe(n).key(zoo_scale) for n in names],
-                             {s: [e.prompt for e in ex] for s, ex in splits.items()})
-    path = cache.folder(GROUP) / f"static-{zoo_scale}-{key}"
-
-    def build(tmp):
-        out = {}
-        for n in names:
-            ws = zoo.RECIPES[n].with_steps
-            out[n] = {}
-            for split, ex in splits.items():
-                comps = evaluate.generate(models[n], toks[n], [e.prompt for e in ex],
-                                     max_new_tokens(toks[n], ex, ws))
-                loss, _ = teacher_forced(models[n], toks[n], ex, ws)
-                out[n][split] = {"correct": [tasks.score(e, c) for e, c in zip(ex, comps)],
-                                 "loss": loss}
-        (tmp / "scores.json").write_text(json.dumps(out))
-        return {"names": list(names)}
-
-    cache.build(path, build)
-    return json.loads((path / "scores.json").read_text())
-
-
-def cached_haps(names, zoo_scale: str, models: dict, toks: dict, train, test,
-                labels: torch.Tensor, s: Settings, feat_dim: int, device="cpu"):
-    """A trained :class:`HAPS` and its record (training log, seconds, each candidate's greedy
-    exact match on ``test`` with its generated LoRA), trained once and cached under
-    ``cache_dir()/haps/`` keyed by the candidates' recipe keys, the settings and the prompts."""
-    import json
-    import time
-    from dataclasses import asdict
-    from ..data import tasks
-    from ..models import finetune, zoo
-    shapes = {n: [(i, o) for _, _, i, o in target_modules(models[n])] for n in names}
-    key = cache.key([zoo.recipe(n).key(zoo_scale) for n in names], asdict(s), feat_dim,
-                             [e.prompt for e in train], [e.prompt for e in test])
-    tag = f"{'shared' if s.shared else 'separate'}-{s.objective}"
-    path = cache.folder(GROUP) / f"haps-{tag}-{zoo_scale}-{key}"
-    make = lambda: HAPS(names, shapes, feat_dim, s.d_h, s.rank, s.shared)   # noqa: E731
-
-    def build(tmp):
-        t0 = time.time()
-        torch.manual_seed(s.seed)
-        haps = make().to(device)
-        pairs = {n: encode(toks[n], train, zoo.RECIPES[n].with_steps) for n in names}
-        x = prompt_features([e.prompt for e in train], feat_dim)
-        log = train_haps(haps, models, pairs, {n: toks[n].pad_token_id for n in names}, x,
-                         labels, s)
-        seconds = time.time() - t0
-        haps.eval()
-        xt = prompt_features([e.prompt for e in test], feat_dim)
-        adapted = {}
-        for n in names:
-            ws = zoo.RECIPES[n].with_steps
-            comps = adapted_completions(models[n], toks[n], haps, n, [e.prompt for e in test], xt,
-                                        s.scale, max_new_tokens(toks[n], test, ws))
-            adapted[n] = [tasks.score(e, c) for e, c in zip(test, comps)]
-        torch.save(haps.cpu().state_dict(), tmp / "haps.pt")
-        return {"train_seconds": round(seconds, 1), "log": log, "adapted_test": adapted,
-                "settings": asdict(s)}
-
-    cache.build(path, build)
-    haps = make()
-    haps.load_state_dict(torch.load(path / "haps.pt"))
-    info = json.loads((path / "done.json").read_text())
-    return haps.to(device).eval(), info
