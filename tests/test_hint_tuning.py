@@ -1,9 +1,10 @@
-"""Hint Tuning (paper 06): state labelling, minimal-prefix hints, token counting, the frontier."""
-import math
+"""Hint Tuning (paper 06): state labelling, minimal-prefix hints, token counting, the probe
+(the harness: tests/test_experiments_hint_tuning.py)."""
 
 import pytest
 
 from workbench.data import tasks
+from workbench.experiments import hint_tuning as X
 from workbench.methods import hint_tuning as ht
 from workbench.models import finetune
 
@@ -73,44 +74,11 @@ def test_count_tokens_with_a_real_bpe():
     assert n < len(text)                   # BPE merges: fewer tokens than characters
 
 
-def test_frontier_is_the_upper_hull_of_the_baselines():
-    pts = [(2, 0.2), (10, 0.6), (30, 0.7), (6, 0.1)]     # (6, 0.1) is dominated
-    assert ht.frontier_at(pts, 1) == -math.inf           # shorter than every baseline
-    assert ht.frontier_at(pts, 2) == pytest.approx(0.2)
-    assert ht.frontier_at(pts, 6) == pytest.approx(0.4)  # on the chord (2, .2)-(10, .6)
-    assert ht.frontier_at(pts, 20) == pytest.approx(0.65)
-    assert ht.frontier_at(pts, 100) == pytest.approx(0.7)
-    # a point under the chord of its neighbours does not lift the frontier
-    assert ht.frontier_at(pts + [(20, 0.61)], 20) == pytest.approx(0.65)
-
-
-def test_truncation_forces_an_answer_within_the_budget():
-    torch = pytest.importorskip("torch")
-    from workbench.models import zoo
-    model, tok = zoo.load("lm-micro")
-    exs = tasks.generate("kv", 6, seed=0, difficulty=2)
-    prompts = [e.prompt for e in exs]
-    for budget in (0, 3):
-        outs = ht.truncated_generate(model, tok, prompts, budget, answer_tokens=2)
-        for o in outs:
-            assert "=>" in o
-            head = o.split("=>")[0]
-            assert ht.count_tokens(tok, [head.rstrip()])[0] <= budget + 1
-    assert torch is not None
-
-
-def test_reader_data_reads_prefixes_and_answers_directly():
-    prompts, comps = ht.reader_data(("add", "chain"), 5, seed=0)
-    assert len(prompts) == 5 * (4 + 5)
-    for p, c in zip(prompts, comps):
-        assert p.endswith(" =>") and "=>" not in c and ";" not in c
-
-
 def test_probe_labels_every_problem_and_agreement_needs_r_answer(tmp_path, monkeypatch):
     pytest.importorskip("torch")
     monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))
     exs = tasks.generate("add", 4, seed=0, difficulty=2)
-    p, c = ht.reader_data(("add",), 4)
+    p, c = X.reader_data(("add",), 4)
     model, tok, _ = finetune.cached_lora("lm-micro", "smoke", p, c,
                                          finetune.LoraSettings(rank=2, steps=2))
     r_comps = [e.completion(True) for e in exs]

@@ -1,0 +1,103 @@
+"""The harness of notebook 06 (workbench.experiments.hint_tuning): the problems drawn, the
+baselines' frontier, budget forcing, the hint reader's data, the C1-C4 bookkeeping."""
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from workbench.data import tasks
+from workbench.experiments import hint_tuning as X
+from workbench.methods import hint_tuning as ht
+
+
+def test_problems_are_disjoint_seeded_and_per_level():
+    fams = ("add", "count")
+    levels = sum(len(tasks.get(f).difficulties) for f in fams)
+    rng = np.random.default_rng(0)
+    train, test = X.draw_problems(fams, "train", 3, rng), X.draw_problems(fams, "test", 2, rng)
+    assert len(train) == 3 * levels and len(test) == 2 * levels
+    assert not {e.prompt for e in train} & {e.prompt for e in test}
+    again = X.draw_problems(fams, "train", 3, np.random.default_rng(0))
+    assert [e.prompt for e in again] == [e.prompt for e in train]
+    lv = [X.relative_level(e) for e in train]
+    assert min(lv) == 0.0 and max(lv) == 1.0
+
+
+def test_states_and_c4_rows_from_probes():
+    exs = tasks.generate("add", 3, seed=0, difficulty=2)
+    probes = [ht.Probe([], "1", True, [], True, ht.NO_HINT, 0),
+              ht.Probe(["a", "b"], "2", False, [True], True, ht.SPARSE_HINT, 1),
+              ht.Probe(["a"], "3", False, [], False, ht.FULL_HINT, None)]
+    states = X.state_table(exs, probes, [e.completion(True) for e in exs])
+    assert states.state.tolist() == [0, 1, 2] and states.r_correct.tolist() == [1.0] * 3
+    assert states.n_steps.tolist() == [0, 2, 1]
+    orig = pd.DataFrame({"acc": [1.0, 1.0], "tokens": [10, 30]})
+    tuned = pd.DataFrame({"acc": [1.0, 0.0], "tokens": [4, 16]})
+
+    class _M:
+        def parameters(self):
+            return [torch.zeros(5), torch.zeros(2, 3)]
+    row = X.model_row(_M(), orig, tuned, probes)
+    assert row["parameters"] == 11 and row["token_reduction"] == pytest.approx(0.5)
+    assert row["accuracy_drop"] == pytest.approx(0.5) and row["no_hint_share"] == pytest.approx(1 / 3)
+    assert X.passes_c2(0.5, 0.05) and not X.passes_c2(0.5, 0.06) and not X.passes_c2(0.19, 0.0)
+
+
+def test_summary_reduction_and_drop():
+    ev = {"original": pd.DataFrame({"family": ["add"] * 2, "difficulty": [1, 2],
+                                    "acc": [1.0, 0.5], "tokens": [10, 30]}),
+          "hint-tuned": pd.DataFrame({"family": ["add"] * 2, "difficulty": [1, 2],
+                                      "acc": [1.0, 0.0], "tokens": [2, 30]})}
+    summary, reduction, drop, per_level = X.summarize(ev)
+    assert reduction == pytest.approx(1 - 16 / 20) and drop == pytest.approx(0.25)
+    assert per_level[("reduction", "tokens")].tolist() == pytest.approx([0.8, 0.0])
+    assert summary.equals(X.accuracy_tokens(ev))
+
+
+def test_frontier_is_the_upper_hull_of_the_baselines():
+    pts = [(2, 0.2), (10, 0.6), (30, 0.7), (6, 0.1)]     # (6, 0.1) is dominated
+    assert X.frontier_at(pts, 1) == -math.inf           # shorter than every baseline
+    assert X.frontier_at(pts, 2) == pytest.approx(0.2)
+    assert X.frontier_at(pts, 6) == pytest.approx(0.4)  # on the chord (2, .2)-(10, .6)
+    assert X.frontier_at(pts, 20) == pytest.approx(0.65)
+    assert X.frontier_at(pts, 100) == pytest.approx(0.7)
+    # a point under the chord of its neighbours does not lift the frontier
+    assert X.frontier_at(pts + [(20, 0.61)], 20) == pytest.approx(0.65)
+
+
+def test_truncation_forces_an_answer_within_the_budget():
+    torch = pytest.importorskip("torch")
+    from workbench.models import zoo
+    model, tok = zoo.load("lm-micro")
+    exs = tasks.generate("kv", 6, seed=0, difficulty=2)
+    prompts = [e.prompt for e in exs]
+    for budget in (0, 3):
+        outs = X.truncated_generate(model, tok, prompts, budget, answer_tokens=2)
+        for o in outs:
+            assert "=>" in o
+            head = o.split("=>")[0]
+            assert ht.count_tokens(tok, [head.rstrip()])[0] <= budget + 1
+    assert torch is not None
+
+
+def test_reader_data_reads_prefixes_and_answers_directly():
+    prompts, comps = X.reader_data(("add", "chain"), 5, seed=0)
+    assert len(prompts) == 5 * (4 + 5)
+    for p, c in zip(prompts, comps):
+        assert p.endswith(" =>") and "=>" not in c and ";" not in c
+
+
+def test_prose_metrics_are_scalars_per_family():
+    mk = lambda acc, tok: pd.DataFrame({"family": ["add", "add", "count"], "difficulty": [1, 2, 3],
+                                        "acc": acc, "tokens": tok})
+    ev = {"original": mk([1.0, 1.0, 1.0], [10, 30, 20]), "hint-tuned": mk([1.0, 0.0, 0.5], [5, 15, 2])}
+    points = X.accuracy_tokens({**ev, "direct-only": mk([0.0] * 3, [1, 1, 1])})
+    share = pd.Series([0.5, 0.25, 0.25])
+    c4 = pd.DataFrame({"lm-reasoning": {"parameters": 10, "token_reduction": 0.5}}).T
+    out = X.prose_metrics({"add": {"rho": 0.7}}, share, ev, points, 0.9, c4)
+    assert out["c2_reduction_add"] == pytest.approx(0.5) and out["c2_acc_tuned_count"] == 0.5
+    assert out["c1_share_sparse_hint"] == 0.25 and out["c4_lm_reasoning_parameters"] == 10.0
+    assert out["c3_acc_direct"] == 0.0 and "c3_acc_truncate0" not in out
+    assert all(isinstance(v, (int, float)) for v in out.values())

@@ -1,0 +1,291 @@
+"""The harness of notebook 06: Hint Tuning, calibrating reasoning depth with an instruct model as
+a difficulty probe (NeurIPS 2026; spec in ``papers/06-hint-tuning.md``; the method is
+:mod:`workbench.methods.hint_tuning`).
+
+What the notebook drives, in its order:
+
+- the problems: disjoint train and held-out problems per (family, difficulty)
+  (:func:`draw_problems`), the difficulty as a rank within its family (:func:`relative_level`);
+- the hint reader (:func:`hint_reader`): the instruct model with a cached LoRA that reads a
+  prefix of reference steps (:func:`reader_data`), so that a small instruct model that never saw
+  steps can be probed with a hint;
+- C1: R answers, the probe labels every problem (:func:`annotate`, :func:`state_table`,
+  :func:`c1_stats`);
+- C2: R fine-tuned on its self-annotated targets and on direct answers, each a cached ``peft``
+  LoRA (:func:`hint_tune`), scored on held-out problems (:func:`measure`, :func:`summarize`);
+- C3: the baselines' accuracy-tokens frontier: budget forcing (:func:`truncated_generate`) and
+  the upper hull of the baseline points (:func:`frontier_at`);
+- C4: a smaller reasoning model built from a recipe defined here
+  (:func:`small_reasoning_recipe`) through the zoo, hint-tuned the same way (:func:`model_row`).
+
+Fine-tunes are cached under ``cache.folder("hint-tuning")`` by
+:func:`workbench.models.finetune.cached_lora`, keyed by the base model's key, the texts and the
+settings; the small model by the zoo, keyed by its recipe's hash.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import numpy as np
+import pandas as pd
+
+from ..data import tasks
+from ..data.tasks import ANSWER_MARK, STEP_SEP
+from ..diagnostics import spearman_ci
+from ..evaluate import generate
+from ..methods import hint_tuning as ht
+from ..models import zoo
+from ..models.finetune import LoraSettings, cached_lora
+
+__all__ = ["GROUP", "draw_problems", "relative_level", "reader_data", "hint_reader", "annotate",
+           "state_table", "c1_stats", "hint_tune", "evaluate", "measure", "accuracy_tokens",
+           "summarize",
+           "passes_c2", "truncated_generate", "frontier_at", "small_reasoning_recipe",
+           "small_reasoning", "model_row", "prose_metrics"]
+
+GROUP = "hint-tuning"      # this notebook's folder of cached fine-tunes under the cache
+
+
+# -- the problems -----------------------------------------------------------------------------
+
+def draw_problems(families, side: str, n: int, rng: np.random.Generator) -> list:
+    """``n`` problems of every (family, difficulty), from the train or the held-out side of
+    :func:`workbench.data.tasks.problem_split`, picked by ``rng`` (families, then difficulties,
+    in the registry's order)."""
+    out = []
+    for f in families:
+        for d in tasks.get(f).difficulties:
+            pool = tasks.problem_split(f, d)[0 if side == "train" else 1]
+            out += [pool[i] for i in rng.permutation(len(pool))[:n]]
+    return out
+
+
+def relative_level(e) -> float:
+    """The difficulty's rank within its family, scaled to [0, 1] (families' scales differ)."""
+    ds = tasks.get(e.family).difficulties
+    return ds.index(e.difficulty) / (len(ds) - 1)
+
+
+# -- the hint reader ------------------------------------------------------------------------------
+
+def reader_data(families, n_per_level: int, seed: int = 0) -> tuple[list[str], list[str]]:
+    """Training pairs for the hint reader: reference problems of ``families`` (the registry's
+    solver, the train side of :func:`workbench.data.tasks.problem_split`, never R's outputs),
+    each with a random prefix of k = 1..n of its steps after the prompt and its answer as the
+    target. The reader learns to *read* steps, never to write them."""
+    rng = random.Random(seed)
+    prompts, comps = [], []
+    for f in families:
+        for d in tasks.get(f).difficulties:
+            train, _ = tasks.problem_split(f, d)
+            for e in rng.sample(train, min(n_per_level, len(train))):
+                if not e.steps:
+                    continue
+                k = rng.randint(1, len(e.steps))
+                prompts.append(ht.hint_prompt(e.prompt, e.steps[:k]))
+                comps.append(" " + e.target)
+    return prompts, comps
+
+
+def hint_reader(instruct: str = "lm-instruct", scale: str = "smoke",
+                families=("add", "count", "chain"), n_per_level: int = 120,
+                s: LoraSettings = LoraSettings(steps=200), device: str = "cpu"):
+    """The instruct model taught to read a hint: a LoRA (cached) trained on :func:`reader_data`.
+    The zoo's instruct model has never seen written steps (fed a prefix of them it writes prose),
+    so a hint needs a reader; with the adapter disabled it is the instruct model unchanged, which
+    is how the probe asks the unaided question. Returns ``(PeftModel, tokenizer, info)``."""
+    prompts, comps = reader_data(families, n_per_level)
+    return cached_lora(instruct, scale, prompts, comps, s, tag="reader", group=GROUP, device=device)
+
+
+# -- C1: the probe's states -------------------------------------------------------------------
+
+def annotate(model, reader, tok, problems, max_new_tokens: int):
+    """R's greedy completions of ``problems`` (first line) and the probe of each
+    (:func:`workbench.methods.hint_tuning.probe`): ``(completions, probes)``."""
+    comps = generate(model, tok, [e.prompt for e in problems], max_new_tokens=max_new_tokens)
+    comps = [c.split("\n")[0] for c in comps]
+    return comps, ht.probe(reader, tok, problems, comps)
+
+
+def state_table(problems, probes, completions) -> pd.DataFrame:
+    """One row per problem: family, difficulty, relative level, probe state and prefix k, R's
+    step count and whether R's answer is right."""
+    return pd.DataFrame({"family": [e.family for e in problems],
+                         "difficulty": [e.difficulty for e in problems],
+                         "level": [relative_level(e) for e in problems],
+                         "state": [p.state for p in probes], "k": [p.k for p in probes],
+                         "n_steps": [len(p.steps) for p in probes],
+                         "r_correct": [tasks.score(e, c) for e, c in zip(problems, completions)]})
+
+
+def c1_stats(states: pd.DataFrame, n_resamples: int, seed: int):
+    """Spearman(state, relative level) with a bootstrap 95% interval, the same per family
+    (on the raw difficulty), and the share of each state: ``(c1, per_family, share)``."""
+    c1 = spearman_ci(states.level, states.state, n_resamples=n_resamples, seed=seed)
+    per_family = {f: spearman_ci(g.difficulty, g.state, n_resamples=n_resamples, seed=seed)
+                  for f, g in states.groupby("family")}
+    share = states.state.value_counts(normalize=True).reindex(range(3), fill_value=0)
+    return c1, per_family, share
+
+
+# -- C2: hint tuning and its evaluation -------------------------------------------------------
+
+def hint_tune(name: str, scale: str, tok, problems, probes, settings: LoraSettings,
+              recipe=None, device: str = "cpu"):
+    """Two cached LoRA fine-tunes of the reasoning model ``name``: on the state targets
+    (:func:`workbench.methods.hint_tuning.training_target`) and, the C3 baseline, on R's bare
+    answers. Returns ``(tuned, direct, info)``, info with the mean target length in tokens."""
+    prompts = [e.prompt for e in problems]
+    hint_t = [ht.training_target(p.state, p.steps, p.k, p.r_answer) for p in probes]
+    direct_t = [ht.render([], p.r_answer) for p in probes]
+    tuned, _, info = cached_lora(name, scale, prompts, hint_t, settings, tag="hint",
+                                 group=GROUP, recipe=recipe, device=device)
+    direct, _, dinfo = cached_lora(name, scale, prompts, direct_t, settings, tag="direct",
+                                   group=GROUP, recipe=recipe, device=device)
+    return tuned, direct, {"hint": info, "direct": dinfo,
+                           "target_tokens": float(np.mean(ht.count_tokens(tok, hint_t)))}
+
+
+def evaluate(model, tok, examples, completions: list[str] | None = None,
+             max_new_tokens: int = 48) -> dict:
+    """Greedy completions (unless given), each scored by its family's verifier, and the tokens
+    each one wrote (counted with ``tok``): ``{"acc", "tokens", "completions"}`` (per example)."""
+    if completions is None:
+        completions = generate(model, tok, [e.prompt for e in examples], max_new_tokens)
+    completions = [c.split("\n")[0] for c in completions]
+    return {"acc": [tasks.score(e, c) for e, c in zip(examples, completions)],
+            "tokens": ht.count_tokens(tok, completions), "completions": completions}
+
+
+def measure(model, tok, examples, max_new_tokens: int, completions=None) -> pd.DataFrame:
+    """:func:`evaluate` as a table: family, difficulty, accuracy and tokens per example."""
+    r = evaluate(model, tok, examples, completions, max_new_tokens)
+    return pd.DataFrame({"family": [e.family for e in examples],
+                         "difficulty": [e.difficulty for e in examples],
+                         "acc": r["acc"], "tokens": r["tokens"]})
+
+
+def accuracy_tokens(ev: dict) -> pd.DataFrame:
+    """Mean accuracy and tokens per answer of each model's :func:`measure` table (one row each)."""
+    return pd.DataFrame({k: {"accuracy": v.acc.mean(), "tokens": v.tokens.mean()}
+                         for k, v in ev.items()}).T
+
+
+def summarize(ev: dict):
+    """Accuracy and tokens per model, the token reduction and accuracy drop of ``"hint-tuned"``
+    against ``"original"``, and both per (family, difficulty):
+    ``(summary, reduction, acc_drop, per_level)``."""
+    summary = accuracy_tokens(ev)
+    reduction = 1 - summary.tokens["hint-tuned"] / summary.tokens["original"]
+    acc_drop = summary.accuracy["original"] - summary.accuracy["hint-tuned"]
+    per_level = pd.concat({k: v.groupby(["family", "difficulty"])[["acc", "tokens"]].mean()
+                           for k, v in ev.items()}, axis=1)
+    per_level[("reduction", "tokens")] = 1 - per_level[("hint-tuned", "tokens")] / \
+        per_level[("original", "tokens")]
+    return summary, reduction, acc_drop, per_level
+
+
+def passes_c2(reduction: float, acc_drop: float) -> bool:
+    """C2's test: at least 20% fewer tokens for at most 5 points of accuracy."""
+    return bool(reduction >= 0.2 and acc_drop <= 0.05)
+
+
+# -- C3: the baselines ----------------------------------------------------------------------------
+
+def truncated_generate(model, tok, prompts: list[str], budget: int, answer_tokens: int = 8) -> list[str]:
+    """Budget forcing: greedy reasoning for at most ``budget`` tokens; a completion that has not
+    answered by then is cut there, ``" =>"`` is appended and the model writes its answer
+    (up to ``answer_tokens`` more). Returns the whole completions (reasoning + forced answer)."""
+    heads = generate(model, tok, prompts, max_new_tokens=budget) if budget > 0 else \
+        [""] * len(prompts)
+    heads = [h.split("\n")[0] for h in heads]
+    open_ = [i for i, h in enumerate(heads) if ANSWER_MARK not in h]
+    forced = [heads[i].rstrip().rstrip(STEP_SEP.strip()).rstrip() + f" {ANSWER_MARK}"
+              for i in open_]
+    tails = generate(model, tok, [prompts[i] + forced[j] for j, i in enumerate(open_)],
+                     max_new_tokens=answer_tokens) if open_ else []
+    out = list(heads)
+    for j, i in enumerate(open_):
+        out[i] = forced[j] + tails[j].split("\n")[0]
+    return out
+
+
+def frontier_at(points: list[tuple[float, float]], x: float) -> float:
+    """The best accuracy the baseline points ``(tokens, accuracy)`` reach at ``x`` tokens: the
+    upper concave hull of the points, read at ``x`` (mixing two baselines at random reaches any
+    point on the chord between them). Left of every point: -inf (nothing is that short);
+    right of them: the best accuracy of all."""
+    pts = sorted(set(points))
+    hull: list[tuple[float, float]] = []
+    for p in pts:          # Andrew's monotone chain, upper hull
+        while len(hull) >= 2 and (hull[-1][0] - hull[-2][0]) * (p[1] - hull[-2][1]) - \
+                (hull[-1][1] - hull[-2][1]) * (p[0] - hull[-2][0]) >= 0:
+            hull.pop()
+        hull.append(p)
+    # keep the non-decreasing part: more tokens never has to cost accuracy (a shorter one exists)
+    best, mono = float("-inf"), []
+    for p in hull:
+        if p[1] > best:
+            mono.append(p)
+            best = p[1]
+    if x < mono[0][0]:
+        return float("-inf")
+    for (x0, y0), (x1, y1) in zip(mono, mono[1:]):
+        if x0 <= x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else max(y0, y1)
+    return mono[-1][1]
+
+
+# -- C4: the second reasoning model ------------------------------------------------------------
+
+def small_reasoning_recipe():
+    """A narrower, shallower sibling of ``lm-reasoning`` (the same data mix, tokenizer settings
+    and loop; d_model 64, 2 blocks, about 1/6 of the parameters), for C4. Not a zoo recipe: it
+    is defined here and built through ``zoo.load(..., recipe=...)``, keyed by its own hash."""
+    base = zoo.recipe("lm-reasoning")
+    return replace(base, name="hint-reasoning-small",
+                   description="lm-reasoning at d_model 64, 2 blocks (paper 06, C4)",
+                   smoke=replace(base.smoke, d_model=64, n_layers=2, n_heads=2, d_ff=192,
+                                 eval_examples=8),
+                   full=replace(base.full, d_model=256, n_layers=4, n_heads=4, d_ff=704))
+
+
+def small_reasoning(scale: str = "smoke", device: str = "cpu"):
+    """``(model, tokenizer)`` of :func:`small_reasoning_recipe`, built once (cached by the zoo)."""
+    r = small_reasoning_recipe()
+    return zoo.load(r.name, scale, recipe=r, device=device)
+
+
+def model_row(model, original: pd.DataFrame, tuned: pd.DataFrame, probes) -> dict:
+    """C4's row for one reasoning model: its size, the token reduction and accuracy drop of
+    hint tuning on held-out problems, its original tokens and accuracy, its No-Hint share."""
+    return {"parameters": sum(p.numel() for p in model.parameters()),
+            "token_reduction": 1 - tuned.tokens.mean() / original.tokens.mean(),
+            "accuracy_drop": original.acc.mean() - tuned.acc.mean(),
+            "tokens_original": original.tokens.mean(), "accuracy_original": original.acc.mean(),
+            "no_hint_share": float(np.mean([p.state == ht.NO_HINT for p in probes]))}
+
+
+def prose_metrics(per_family: dict, share, ev: dict, points: pd.DataFrame, frontier: float,
+                  c4: pd.DataFrame) -> dict:
+    """Scalars "What we saw" quotes: C1's Spearman per family and the share of each state; C2's
+    token reduction and accuracy before and after per family; C3's frontier at Hint Tuning's
+    tokens and the direct-only and ``truncate@0`` points; C4's row of every model
+    (``c4_<model>_<column>``)."""
+    out = {f"c1_spearman_{f}": v["rho"] for f, v in per_family.items()}
+    out.update({f"c1_share_{ht.STATES[s].lower().replace('-', '_')}": float(share[s])
+                for s in range(3)})
+    orig, tuned = ev["original"], ev["hint-tuned"]
+    for f, o in orig.groupby("family"):
+        t = tuned[tuned.family == f]
+        out.update({f"c2_reduction_{f}": 1 - t.tokens.mean() / o.tokens.mean(),
+                    f"c2_acc_original_{f}": o.acc.mean(), f"c2_acc_tuned_{f}": t.acc.mean()})
+    out.update({"c3_frontier": frontier, "c3_acc_direct": points.accuracy["direct-only"],
+                "c3_tokens_direct": points.tokens["direct-only"]})
+    if "truncate@0" in points.index:
+        out["c3_acc_truncate0"] = points.accuracy["truncate@0"]
+    out.update({f"c4_{m.replace('-', '_')}_{k}": float(v) for m, row in c4.iterrows()
+                for k, v in row.items()})
+    return out
