@@ -86,11 +86,11 @@ class Tree:
         for pid in below:
             _, cpu, threads = stats[pid]
             p = self.procs.get(pid)
-            if p is None:
-                try:
-                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-                except OSError:
-                    continue
+            try:        # read each time: a child seen between fork and exec has its parent's
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if p is None or p["cmd"] != cmd[:80]:
                 up = self.procs.get(stats[pid][0], {}).get("kind")
                 kind = ("runner" if pid == self.root
                         else "kernel" if "ipykernel" in cmd and up != "kernel"
