@@ -46,14 +46,21 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from scipy.optimize import linear_sum_assignment
+from peft.tuners.lora import LoraLayer
+from scipy.optimize import linear_sum_assignment, minimize
+from threadpoolctl import threadpool_limits
+
+__all__ = ["lora_layers", "get_factors", "set_factors", "random_invertible", "reparameterize",
+           "balanced", "unstack", "procrustes", "quotient_log", "quotient_exp", "transport",
+           "quotient_distance", "frechet_quotient", "merge_quotient", "merge_balanced_unaligned",
+           "merge_naive", "merge_svd", "merge_modules", "fisher_merge", "frechet_flat",
+           "mlp_diag_fisher", "permute_mlp", "weight_matching", "interpolate"]
 
 # -- LoRA factors of a peft model ---------------------------------------------------------------
 
 
 def lora_layers(model, adapter: str) -> dict:
     """``{module name: LoraLayer}`` of the peft ``model`` that carry ``adapter``."""
-    from peft.tuners.lora import LoraLayer
     return {n: m for n, m in model.named_modules()
             if isinstance(m, LoraLayer) and adapter in m.lora_A}
 
@@ -233,8 +240,6 @@ def frechet_flat(thetas, fishers, weights=None, eps: float = 1e-6, max_iter: int
     the log map theta_i - theta), from the plain average. Returns ``(theta, J)``; C3 checks that it
     is :func:`fisher_merge`. BLAS runs on one thread (its threads only wait for each other on
     vectors of this size, up to 10x slower on a shared CPU)."""
-    from scipy.optimize import minimize
-    from threadpoolctl import threadpool_limits
     w = np.full(len(thetas), 1.0 / len(thetas)) if weights is None else np.asarray(weights, float)
     ts = [t.double().numpy() for t in thetas]
     fs = [f.double().numpy() + eps for f in fishers]
