@@ -93,7 +93,9 @@ def test_compare_reports_moved_metrics_and_verdicts_not_timings(tmp_path):
                                                                       '"train_s": 9.0'))
     assert compare.compare(a, b) == ([], 1)               # a timing moved: nothing to report
     assert all(compare.is_timing(k) for k in ("c3_cost.step_ms.dora", "cost.step_ms / LoRA.full",
-                                               "esig_cost_ratio", "build_seconds", "train_s"))
+                                               "esig_cost_ratio", "build_seconds", "train_s",
+                                               "per_candidate.lm-gpt2.answer alone (s)",
+                                               "c5_latency_overhead", "step_s_ste", "timing_exponent"))
     assert not any(compare.is_timing(k) for k in ("acc", "loss_s0", "mean_spikes", "steps"))
     job(b, "99-demo", 1, 0.5, True)
     assert compare.compare(a, b) == ([], 1)

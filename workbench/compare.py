@@ -22,7 +22,8 @@ from pathlib import Path
 __all__ = ["load_runs", "is_timing", "diff_metrics", "added_metrics", "compare", "unpaired", "main"]
 
 TIMING_SUFFIXES = ("_s", "_seconds", "seconds", "_time", "_sec", "_ms")
-TIMING_WORDS = ("seconds", "_ms", "wall", "cost_ratio", "speedup", "time_")   # wall-clock costs
+TIMING_WORDS = ("seconds", "_ms", "wall", "cost_ratio", "speedup", "time_", "timing", "latency",
+                "throughput", "step_s", "step_ratio", "(s)", "_over_forward")   # wall-clock costs
 
 
 def load_runs(root: Path) -> dict[str, dict]:
