@@ -14,8 +14,8 @@ completions, optionally with a KL penalty to the reference policy (k3 estimator)
 
 GSPO replaces the token ratio by the sequence ratio s_i = exp(1/|o_i| sum_t log rho_{i,t})
 (:func:`grpo_loss` with ``level="sequence"``). Training itself runs in TRL's ``GRPOTrainer``
-(:func:`train_grpo`); :func:`grpo_loss` is eq. (2) written out, used for the probe gradient and
-checked against TRL's loss on the same batch in the tests.
+(``workbench.experiments.hybrid_lora.train_grpo``); :func:`grpo_loss` is eq. (2) written out,
+used for the probe gradient and checked against TRL's loss on the same batch in the tests.
 
 **The Hybrid-LoRA Score.** On one probe batch of rollouts, take each candidate module's policy
 gradient G_m = dL/dW_m (eq. 2 at rho = 1, i.e. the REINFORCE direction with advantages (1)) and
@@ -31,34 +31,17 @@ original, so TRL's KL reference stays the base model), the others LoRA layers.
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import asdict, dataclass
 
 import torch
 
 from ..data import tasks
-from .. import cache
 from ..models import finetune
 
+__all__ = ["METHODS", "group_advantages", "grpo_loss", "rollouts", "completion_logps",
+           "candidate_modules", "probe_gradients", "hybrid_score", "module_budget",
+           "select_modules", "random_modules", "make_policy", "trainable"]
+
 METHODS = ("full", "lora", "rslora", "dora", "pissa", "hybrid", "random")
-
-
-@dataclass(frozen=True)
-class GRPOSettings:
-    """One GRPO run (TRL ``GRPOConfig`` fields in brackets)."""
-    steps: int = 40              # optimizer steps [max_steps]
-    prompts: int = 8             # problems per step; each gets ``group`` completions
-    group: int = 8               # G, completions per problem [num_generations]
-    max_new_tokens: int = 5      # completion length cap [max_completion_length]
-    temperature: float = 1.0     # sampling temperature of the rollouts
-    lr: float = 1e-3             # AdamW learning rate of dense (fully fine-tuned) weights
-    lr_adapter: float = 3e-3     # AdamW learning rate of LoRA / DoRA / PiSSA factors
-    epsilon: float = 0.2         # clip range e of eq. (2)
-    beta: float = 0.0            # KL coefficient to the reference (0: no reference model)
-    num_iterations: int = 1      # updates per rollout batch (> 1 makes the clip bite) [mu]
-    level: str = "token"         # "token" (GRPO) or "sequence" (GSPO) importance ratio
-    every: int = 10              # evaluate greedy reward on held-out problems every this many steps
-    seed: int = 0                # the trainer's seed: prompt order, sampling, LoRA init
 
 
 # -- eq. (1) and (2) ----------------------------------------------------------------------------
@@ -217,97 +200,6 @@ def make_policy(model, method: str, rank: int, scale: float, full_modules=(), se
     raise ValueError(f"unknown method {method!r}; methods are {METHODS}")
 
 
-def param_groups(model, s: GRPOSettings) -> list[dict]:
-    """AdamW groups: dense weights at ``s.lr``, adapter factors (LoRA A/B, DoRA magnitudes) at
-    ``s.lr_adapter``."""
-    dense, adapter = [], []
-    for n, p in model.named_parameters():
-        if p.requires_grad:
-            (adapter if "lora_" in n else dense).append(p)
-    return [g for g in ({"params": dense, "lr": s.lr}, {"params": adapter, "lr": s.lr_adapter})
-            if g["params"]]
-
-
 def trainable(model) -> int:
+    """How many parameters ``model`` trains."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
-def optimizer_state_bytes(opt) -> int:
-    """Bytes of the optimizer's state tensors (AdamW: the two moments of every trained weight)."""
-    return sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
-               if torch.is_tensor(v) and v.dim() > 0)
-
-
-def heldout_reward(model, tok, examples: list) -> float:
-    """Mean verifier reward of greedy completions on held-out problems."""
-    from ..models import zoo
-    from .. import evaluate
-    was = model.training
-    model.eval()
-    acc = evaluate.exact_match(model, tok, examples)
-    model.train(was)
-    return acc
-
-
-def train_grpo(model, tok, train: list, heldout: list, s: GRPOSettings, out_dir) -> dict:
-    """GRPO on ``train`` problems with TRL's ``GRPOTrainer`` (eq. 1 and 2: ``loss_type="grpo"``,
-    ``scale_rewards="group"``), rewards from the task verifiers; every ``s.every`` steps the
-    greedy reward on ``heldout`` problems. Returns the per-step rollout reward, the held-out
-    curve, the trainable count, the optimizer-state bytes and the step times."""
-    from datasets import Dataset
-    from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-    by_prompt = {tok.bos_token + e.prompt: e for e in train}
-
-    def reward(prompts, completions, **_):
-        return [tasks.score(by_prompt[p], c) for p, c in zip(prompts, completions)]
-
-    curve = {0: heldout_reward(model, tok, heldout)}
-
-    class Heldout(TrainerCallback):
-        def on_step_end(self, args, state, control, model=None, **_):
-            if state.global_step % s.every == 0 or state.global_step == s.steps:
-                curve[state.global_step] = heldout_reward(model, tok, heldout)
-
-    device = next(model.parameters()).device
-    cfg = GRPOConfig(output_dir=str(out_dir), max_steps=s.steps, per_device_train_batch_size=s.prompts * s.group,
-                     num_generations=s.group, max_completion_length=s.max_new_tokens,
-                     temperature=s.temperature, top_k=0, top_p=1.0, beta=s.beta, epsilon=s.epsilon,
-                     num_iterations=s.num_iterations, importance_sampling_level=s.level,
-                     loss_type="grpo", scale_rewards="group", learning_rate=s.lr,
-                     lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-                     logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True,
-                     use_cpu=device.type == "cpu", bf16=False, seed=s.seed, data_seed=s.seed,
-                     log_completions=False)
-    opt = torch.optim.AdamW(param_groups(model, s), weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
-    tok.padding_side = "left"
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, processing_class=tok,
-                          train_dataset=Dataset.from_dict({"prompt": list(by_prompt)}),
-                          optimizers=(opt, sched), callbacks=[Heldout()])
-    t0 = time.time()
-    trainer.train()
-    logs = [h for h in trainer.state.log_history if "reward" in h]
-    return {"reward": [float(h["reward"]) for h in logs],
-            "clip_region": [float(h.get("clip_ratio/region_mean", 0.0)) for h in logs],
-            "step_time": [float(h["step_time"]) for h in logs if "step_time" in h],
-            "heldout": {int(k): float(v) for k, v in sorted(curve.items())},
-            "trainable": trainable(model), "optimizer_bytes": optimizer_state_bytes(opt),
-            "train_seconds": round(time.time() - t0, 2), "settings": asdict(s)}
-
-
-def cached_run(group: str, key_parts: list, build) -> dict:
-    """One GRPO run's record, built once by ``build(tmp) -> dict`` and cached as JSON under
-    ``cache_root(group)`` (:func:`workbench.cache.build`)."""
-    import json
-    path = cache.folder(group) / f"run-{cache.key(*key_parts)}"
-    cached = (path / "done.json").exists()
-
-    def _build(tmp):
-        rec = build(tmp / "trainer")
-        (tmp / "record.json").write_text(json.dumps(rec))
-        return {"train_seconds": rec.get("train_seconds")}
-
-    cache.build(path, _build)
-    rec = json.loads((path / "record.json").read_text())
-    return {**rec, "cached": cached}

@@ -1,0 +1,332 @@
+"""The harness of notebook 04 (Hybrid-LoRA for RLVR, ``papers/04-hybrid-lora.md``).
+
+The method (eq. 1-3: group advantages, the GRPO loss, the probe gradient, the Hybrid-LoRA Score,
+the module selection and the policies) is :mod:`workbench.methods.hybrid_lora`. Here is what the
+notebook drives around it:
+
+- :func:`problems`, :func:`base_rewards`: the bed, train and held-out problems of one family and
+  difficulty, two disjoint probe batches, and where the base policy starts;
+- :func:`score_modules`, :func:`eckart_young_check`, :func:`score_grid`: the score (3) of every
+  candidate on two probe batches, the selection, the random control, and the checks of C3;
+- :class:`GRPOSettings`, :func:`train_grpo`: one GRPO run in TRL's ``GRPOTrainer`` with the
+  held-out reward curve, the trainable count, the optimizer state and the step times;
+- :class:`Runs`, :func:`cached_run`: every method's runs, each trained once and cached
+  (:func:`workbench.cache.build`), and the tables of C1, C2, C4 and C5 (:func:`curves`,
+  :func:`final_table`, :func:`cost_table`).
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+
+import numpy as np
+import pandas as pd
+import torch
+from datasets import Dataset
+from scipy.stats import spearmanr
+from transformers import TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from .. import cache, evaluate
+from ..data import tasks
+from ..methods import hybrid_lora as H
+from ..models import zoo
+
+__all__ = ["GRPOSettings", "problems", "base_rewards", "score_modules", "residual",
+           "eckart_young_check", "score_grid", "param_groups", "optimizer_state_bytes",
+           "heldout_reward", "train_grpo", "cached_run", "matched_rank", "Runs", "curves",
+           "final_table", "cost_table", "summary", "layer_of", "GROUP", "KINDS"]
+
+GROUP = "04-hybrid-lora"        # the cache folder of the GRPO runs
+KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class GRPOSettings:
+    """One GRPO run (TRL ``GRPOConfig`` fields in brackets)."""
+    steps: int = 40              # optimizer steps [max_steps]
+    prompts: int = 8             # problems per step; each gets ``group`` completions
+    group: int = 8               # G, completions per problem [num_generations]
+    max_new_tokens: int = 5      # completion length cap [max_completion_length]
+    temperature: float = 1.0     # sampling temperature of the rollouts
+    lr: float = 1e-3             # AdamW learning rate of dense (fully fine-tuned) weights
+    lr_adapter: float = 3e-3     # AdamW learning rate of LoRA / DoRA / PiSSA factors
+    epsilon: float = 0.2         # clip range e of eq. (2)
+    beta: float = 0.0            # KL coefficient to the reference (0: no reference model)
+    num_iterations: int = 1      # updates per rollout batch (> 1 makes the clip bite) [mu]
+    level: str = "token"         # "token" (GRPO) or "sequence" (GSPO) importance ratio
+    every: int = 10              # evaluate greedy reward on held-out problems every this many steps
+    seed: int = 0                # the trainer's seed: prompt order, sampling, LoRA init
+
+
+# -- the bed ------------------------------------------------------------------------------------
+
+def problems(family: str, difficulty: int, n_eval: int, probe: int, seed: int) -> dict:
+    """Train and held-out problems (``tasks.problem_split``: disjoint prompts), the first
+    ``n_eval`` held-out ones, and two disjoint probe batches of ``probe`` train problems drawn
+    with ``seed`` (A for the score, B for C3's check)."""
+    train, held = tasks.problem_split(family, difficulty)
+    order = np.random.default_rng(seed).permutation(len(train))
+    return {"train": train, "held_all": held, "held": held[:n_eval],
+            "probe_a": [train[i] for i in order[:probe]],
+            "probe_b": [train[i] for i in order[probe: 2 * probe]]}
+
+
+def base_rewards(model, tok, held: list, group: int, max_new_tokens: int, seed: int) -> dict:
+    """Where the base policy starts on the held-out problems: its greedy reward, its sampled
+    reward, and the share of groups of ``group`` completions with both a correct and a wrong
+    one (the groups GRPO learns from)."""
+    greedy = heldout_reward(model, tok, held)
+    roll = H.rollouts(model, tok, held, group, max_new_tokens, seed=seed)["rewards"].view(-1, group)
+    return {"greedy": greedy, "sampled": float(roll.mean()),
+            "with_signal": float((roll.std(1) > 0).float().mean())}
+
+
+# -- the score (3) and C3's checks ---------------------------------------------------------------
+
+def score_modules(model, tok, probe_a: list, probe_b: list, group: int, max_new_tokens: int,
+                  rank: int, budget: float, seed: int) -> dict:
+    """The probe gradients and the score (3) of every candidate on probe batch A (and B, seeded
+    ``seed + 1000``), the selection within ``budget``, the random control of the same size, the
+    rank correlation of the two batches' scores and the overlap of their selections."""
+    grads, stats = H.probe_gradients(model, tok, probe_a, group, max_new_tokens, seed=seed)
+    grads_b, _ = H.probe_gradients(model, tok, probe_b, group, max_new_tokens, seed=seed + 1000)
+    scores = {n: H.hybrid_score(g, rank) for n, g in grads.items()}
+    scores_b = {n: H.hybrid_score(g, rank) for n, g in grads_b.items()}
+    names = list(scores)
+    chosen = H.select_modules(scores, budget)
+    return {"grads": grads, "probe_stats": stats, "scores": scores, "scores_b": scores_b,
+            "names": names, "chosen": chosen, "control": H.random_modules(names, len(chosen), seed),
+            "spearman": float(spearmanr([scores[n] for n in names],
+                                        [scores_b[n] for n in names]).statistic),
+            "overlap": len(set(chosen) & set(H.select_modules(scores_b, budget))) / len(chosen)}
+
+
+def residual(g: torch.Tensor, basis: torch.Tensor) -> float:
+    """Share of ||g||^2 outside the column span of ``basis`` (orthonormal columns)."""
+    g = g.double()
+    return float((g - basis @ (basis.T @ g)).norm() ** 2 / g.norm() ** 2)
+
+
+def eckart_young_check(grads: dict, scores: dict, rank: int, seed: int) -> tuple[float, bool]:
+    """C3's identity: the largest |score - residual outside the top-``rank`` left singular
+    vectors| over the modules (Eckart-Young: (3) is that residual), and whether a random rank-r
+    subspace (seeded) misses at least as much for every module."""
+    gen = torch.Generator().manual_seed(seed)
+    err, rand_worse = 0.0, True
+    for n, g in grads.items():
+        u = torch.linalg.svd(g.double(), full_matrices=False)[0]
+        err = max(err, abs(residual(g, u[:, :rank]) - scores[n]))
+        q = torch.linalg.qr(torch.randn(g.shape[0], rank, generator=gen, dtype=torch.float64))[0]
+        rand_worse &= residual(g, q) >= scores[n] - 1e-12
+    return err, rand_worse
+
+
+def layer_of(name: str) -> int:
+    return int(name.split("layers.")[1].split(".")[0])
+
+
+def score_grid(scores: dict) -> tuple[np.ndarray, list[str]]:
+    """The scores as a (layer, module kind) grid (NaN where a model lacks a kind) and the kinds."""
+    kinds = [t for t in KINDS if any(n.endswith(t) for n in scores)]
+    heat = np.full((max(layer_of(n) for n in scores) + 1, len(kinds)), np.nan)
+    for n, v in scores.items():
+        heat[layer_of(n), kinds.index(n.split(".")[-1])] = v
+    return heat, kinds
+
+
+# -- one GRPO run ---------------------------------------------------------------------------------
+
+def param_groups(model, s: GRPOSettings) -> list[dict]:
+    """AdamW groups: dense weights at ``s.lr``, adapter factors (LoRA A/B, DoRA magnitudes) at
+    ``s.lr_adapter``."""
+    dense, adapter = [], []
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            (adapter if "lora_" in n else dense).append(p)
+    return [g for g in ({"params": dense, "lr": s.lr}, {"params": adapter, "lr": s.lr_adapter})
+            if g["params"]]
+
+
+def optimizer_state_bytes(opt) -> int:
+    """Bytes of the optimizer's state tensors (AdamW: the two moments of every trained weight)."""
+    return sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+               if torch.is_tensor(v) and v.dim() > 0)
+
+
+def heldout_reward(model, tok, examples: list) -> float:
+    """Mean verifier reward of greedy completions on held-out problems."""
+    was = model.training
+    model.eval()
+    acc = evaluate.exact_match(model, tok, examples)
+    model.train(was)
+    return acc
+
+
+class _Heldout(TrainerCallback):
+    """Greedy held-out reward every ``every`` steps and at the last step, into ``curve``."""
+
+    def __init__(self, tok, heldout: list, every: int, steps: int, curve: dict):
+        self.tok, self.heldout, self.every, self.steps, self.curve = tok, heldout, every, steps, curve
+
+    def on_step_end(self, args, state, control, model=None, **_):
+        if state.global_step % self.every == 0 or state.global_step == self.steps:
+            self.curve[state.global_step] = heldout_reward(model, self.tok, self.heldout)
+
+
+def train_grpo(model, tok, train: list, heldout: list, s: GRPOSettings, out_dir) -> dict:
+    """GRPO on ``train`` problems with TRL's ``GRPOTrainer`` (eq. 1 and 2: ``loss_type="grpo"``,
+    ``scale_rewards="group"``), rewards from the task verifiers; every ``s.every`` steps the
+    greedy reward on ``heldout`` problems. Returns the per-step rollout reward, the held-out
+    curve, the trainable count, the optimizer-state bytes and the step times."""
+    by_prompt = {tok.bos_token + e.prompt: e for e in train}
+
+    def reward(prompts, completions, **_):
+        return [tasks.score(by_prompt[p], c) for p, c in zip(prompts, completions)]
+
+    curve = {0: heldout_reward(model, tok, heldout)}
+    device = next(model.parameters()).device
+    cfg = GRPOConfig(output_dir=str(out_dir), max_steps=s.steps, per_device_train_batch_size=s.prompts * s.group,
+                     num_generations=s.group, max_completion_length=s.max_new_tokens,
+                     temperature=s.temperature, top_k=0, top_p=1.0, beta=s.beta, epsilon=s.epsilon,
+                     num_iterations=s.num_iterations, importance_sampling_level=s.level,
+                     loss_type="grpo", scale_rewards="group", learning_rate=s.lr,
+                     lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+                     logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True,
+                     use_cpu=device.type == "cpu", bf16=False, seed=s.seed, data_seed=s.seed,
+                     log_completions=False)
+    opt = torch.optim.AdamW(param_groups(model, s), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    tok.padding_side = "left"
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, processing_class=tok,
+                          train_dataset=Dataset.from_dict({"prompt": list(by_prompt)}),
+                          optimizers=(opt, sched),
+                          callbacks=[_Heldout(tok, heldout, s.every, s.steps, curve)])
+    t0 = time.time()
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    return {"reward": [float(h["reward"]) for h in logs],
+            "clip_region": [float(h.get("clip_ratio/region_mean", 0.0)) for h in logs],
+            "step_time": [float(h["step_time"]) for h in logs if "step_time" in h],
+            "heldout": {int(k): float(v) for k, v in sorted(curve.items())},
+            "trainable": H.trainable(model), "optimizer_bytes": optimizer_state_bytes(opt),
+            "train_seconds": round(time.time() - t0, 2), "settings": asdict(s)}
+
+
+def cached_run(group: str, key_parts: list, build) -> dict:
+    """One GRPO run's record, built once by ``build(tmp) -> dict`` and cached as JSON under
+    ``cache.folder(group)`` (:func:`workbench.cache.build`); ``cached`` says whether it was
+    there before."""
+    path = cache.folder(group) / f"run-{cache.key(*key_parts)}"
+    cached = cache.is_built(path)
+
+    def _build(tmp):
+        rec = build(tmp / "trainer")
+        (tmp / "record.json").write_text(json.dumps(rec))
+        return {"train_seconds": rec.get("train_seconds")}
+
+    cache.build(path, _build)
+    rec = json.loads((path / "record.json").read_text())
+    return {**rec, "cached": cached}
+
+
+# -- every method's runs --------------------------------------------------------------------------
+
+def matched_rank(model, names: list[str], chosen: list[str], rank: int) -> tuple[int, int]:
+    """Hybrid-LoRA's trainable count (the ``chosen`` modules in full, rank ``rank`` on the other
+    candidates ``names``) and the LoRA rank that matches it on every candidate (at least
+    ``rank``)."""
+    mods = dict(model.named_modules())
+    per_rank = sum(m.in_features + m.out_features for n, m in mods.items() if n in set(names))
+    hybrid = sum(mods[n].weight.numel() for n in chosen) + rank * sum(
+        mods[n].in_features + mods[n].out_features for n in names if n not in chosen)
+    return hybrid, max(rank, round(hybrid / per_rank))
+
+
+@dataclass
+class Runs:
+    """Everything one GRPO run of a method depends on: the policy's start (zoo ``base`` at
+    ``zoo_scale`` on ``device``), the problems, the settings, each method's LoRA rank and fully
+    fine-tuned modules (``ranks``, ``full``) and the LoRA scale."""
+    base: str
+    zoo_scale: str
+    device: str
+    tok: object
+    family: str
+    difficulty: int
+    train: list
+    held: list
+    settings: GRPOSettings
+    ranks: dict
+    full: dict
+    lora_scale: float
+
+    def build(self, method: str, s: GRPOSettings, out) -> dict:
+        """Train ``method`` from a fresh copy of the base model with settings ``s``."""
+        m, _ = zoo.load(self.base, self.zoo_scale, device=self.device)
+        policy = H.make_policy(m, method, self.ranks[method], self.lora_scale,
+                               self.full.get(method, ()), seed=s.seed)
+        return train_grpo(policy, self.tok, self.train, self.held, s, out)
+
+    def key(self, method: str, s: GRPOSettings) -> list:
+        """The cache key's parts: the base model's recipe key and everything the run reads."""
+        return ["v1", zoo.recipe(self.base).key(self.zoo_scale), self.base, self.zoo_scale,
+                self.family, self.difficulty, method, self.ranks[method],
+                self.full.get(method, ()), asdict(s), len(self.held)]
+
+    def run(self, method: str, seed: int, steps: int | None = None) -> dict:
+        """One GRPO run of ``method`` with training seed ``seed``, cached; with ``steps``, a
+        shorter run, not cached (the cost table), evaluated only at its end."""
+        s = replace(self.settings, seed=seed, **({"steps": steps, "every": steps} if steps else {}))
+        if steps:
+            return self.build(method, s, tempfile.mkdtemp())
+        return cached_run(GROUP, self.key(method, s), lambda out: self.build(method, s, out))
+
+
+def curves(recs: dict) -> pd.DataFrame:
+    """The held-out reward curves of ``{(method, run seed): record}`` as one long table."""
+    return pd.DataFrame([{"method": m, "run": t, "step": int(st), "heldout": v}
+                         for (m, t), rec in recs.items() for st, v in rec["heldout"].items()])
+
+
+def final_table(curve: pd.DataFrame, recs: dict, methods, seed: int) -> pd.DataFrame:
+    """Per method: the final held-out reward (mean, std over runs), its gain over step 0, and
+    the trainable count (of the run with ``seed``)."""
+    final = curve[curve.step == curve.step.max()].groupby("method").heldout.agg(
+        ["mean", "std"]).loc[list(methods)]
+    start = curve[curve.step == 0].groupby("method").heldout.mean()
+    final["gain"] = final["mean"] - start.loc[final.index]
+    final["trainable"] = [recs[(m, seed)]["trainable"] for m in final.index]
+    return final
+
+
+def cost_table(short: dict) -> pd.DataFrame:
+    """C5 from a short run per method (``{method: record}``): trainable count, AdamW state,
+    bytes per trained weight, median step time, and each as a ratio to Full FT's."""
+    cost = pd.DataFrame({m: {"trainable": rec["trainable"],
+                             "optimizer_MB": rec["optimizer_bytes"] / 2**20,
+                             "bytes_per_trained_weight": rec["optimizer_bytes"] / rec["trainable"],
+                             "step_ms": 1000 * float(np.median(rec["step_time"]))}
+                         for m, rec in short.items()}).T
+    for c in ("trainable", "optimizer_MB", "step_ms"):
+        cost[f"{c} / full"] = cost[c] / cost.loc["full", c]
+    return cost
+
+
+def summary(final: pd.DataFrame, full_gain: pd.Series, cost: pd.DataFrame, lora_rank: int,
+            ey_error: float, scores: dict) -> dict:
+    """The scalars "What we saw" quotes: Full FT's gain (mean and smallest over the runs), every
+    method's final held-out reward, the matched LoRA rank, C3's identity error and largest
+    score, and C5's shares of Full FT's parameters and optimizer state with the step times."""
+    out = {"c1_full_gain_mean": float(full_gain.mean()), "c1_full_gain_min": float(full_gain.min()),
+           "lora_rank": int(lora_rank), "c3_ey_error": float(ey_error),
+           "c3_score_max": float(max(scores.values()))}
+    out.update({f"final_{m}": float(v) for m, v in final["mean"].items()})
+    out.update(c5_hybrid_trainable_share=float(cost.loc["hybrid", "trainable / full"]),
+               c5_hybrid_optimizer_share=float(cost.loc["hybrid", "optimizer_MB / full"]),
+               c5_bytes_per_trained_weight=float(cost.loc["hybrid", "bytes_per_trained_weight"]),
+               c5_fastest_step_ms=float(cost["step_ms"].min()),
+               c5_slowest_step_ms=float(cost["step_ms"].max()))
+    return out
