@@ -203,3 +203,18 @@ def test_limits_check_knobs_against_choices(tmp_path):
     assert run.sizes(SIZES, limits={"name": ["a", "b"]})["name"] == "b"
     with pytest.raises(KeyError, match="neither"):
         run.sizes(SIZES, limits={"nme": ["a"]})
+
+
+def test_start_checks_the_limits_the_parameters_cell_declares(tmp_path):
+    """A value outside a declared limit fails in the kernel too (Jupyter, plain papermill), not
+    only in `workbench run`: 12-nfi declares steps [1..]."""
+    from workbench.runtime import notebook_parameters
+    ns = {"__annotations__": {"scale": str, "seed": int, "device": str, "out_dir": str,
+                              "steps": int},
+          "scale": "smoke", "seed": 0, "device": "cpu", "out_dir": str(tmp_path), "steps": -5}
+    with pytest.raises(ValueError, match=r"'steps' = -5 is outside its limit \[1\.\.\]"):
+        notebook_parameters(ns, "12-nfi")
+    ns["steps"] = None                          # None: the scale's size, allowed
+    assert notebook_parameters(ns, "12-nfi")["steps"] is None
+    ns["steps"] = 3
+    assert notebook_parameters(ns, "12-nfi")["steps"] == 3

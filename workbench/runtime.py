@@ -26,6 +26,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from .env import in_ipython, project_root, strict_mode
+from .notebooks import NotebookError, notebooks_dir, parameters
 
 SCALES = ("smoke", "full")
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -399,7 +400,26 @@ def notebook_parameters(namespace: dict, slug: str) -> dict:
                 raise TypeError(f"{slug}: parameter {name!r} must be {kind.__name__}, got "
                                 f"{value!r} ({type(value).__name__}); fix the -p value")
         params[name] = value
+    check_limits(params, slug)
     return params
+
+
+def check_limits(params: dict, slug: str) -> None:
+    """The limits the parameters cell declares (``[1..]``, ``(0..1]``, ``{a|b}`` at the end of a
+    help comment) hold for ``params``: the same check ``workbench run`` makes before a job, made
+    again in the kernel, so an interactive or plain papermill run fails at once, by name. A
+    notebook that is not in ``notebooks/`` (a copy elsewhere) is not checked."""
+    try:
+        spec = parameters(notebooks_dir() / f"{slug}.ipynb")
+    except (FileNotFoundError, NotebookError):
+        return
+    for name, value in params.items():
+        limit = (spec.get(name) or {}).get("limit")
+        if limit is None or (value is None and spec[name].get("default") == "None"):
+            continue
+        if value is None or not limit.allows(value):
+            raise ValueError(f"{slug}: parameter {name!r} = {value!r} is outside its limit "
+                             f"{limit.text} ({limit.describe()}); fix the parameters cell or -p")
 
 
 def start(slug: str, namespace: dict | None = None, /, **params) -> Run:
