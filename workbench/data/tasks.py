@@ -30,7 +30,7 @@ from typing import Callable
 
 __all__ = ["ANSWER_MARK", "STEP_SEP", "LETTERS", "Example", "final_answer", "exact_match",
            "Family", "FAMILIES", "names", "get", "generate", "score", "same_surface",
-           "problem_split"]
+           "problem_split", "draw_problems"]
 
 ANSWER_MARK = "=>"
 STEP_SEP = " ; "
@@ -311,3 +311,15 @@ def problem_split(family: str, difficulty: int, heldout_fraction: float = 0.3,
     if not train or not held:
         raise ValueError(f"{family} at difficulty {difficulty} has too few distinct problems")
     return train, held
+
+
+def draw_problems(families, n: int, side: str, rng) -> list:
+    """``n`` problems per (family, difficulty) from one side of :func:`problem_split`
+    (``"train"`` or ``"test"``: disjoint), drawn without replacement by the numpy generator
+    ``rng`` (families, then difficulties, in the registry's order)."""
+    out = []
+    for f in families:
+        for d in get(f).difficulties:
+            pool = problem_split(f, d)[0 if side == "train" else 1]
+            out += [pool[i] for i in rng.permutation(len(pool))[:n]]
+    return out

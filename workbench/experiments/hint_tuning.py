@@ -50,15 +50,9 @@ GROUP = "hint-tuning"      # this notebook's folder of cached fine-tunes under t
 # -- the problems -----------------------------------------------------------------------------
 
 def draw_problems(families, side: str, n: int, rng: np.random.Generator) -> list:
-    """``n`` problems of every (family, difficulty), from the train or the held-out side of
-    :func:`workbench.data.tasks.problem_split`, picked by ``rng`` (families, then difficulties,
-    in the registry's order)."""
-    out = []
-    for f in families:
-        for d in tasks.get(f).difficulties:
-            pool = tasks.problem_split(f, d)[0 if side == "train" else 1]
-            out += [pool[i] for i in rng.permutation(len(pool))[:n]]
-    return out
+    """``n`` problems of every (family, difficulty) from the train or the held-out side of
+    :func:`workbench.data.tasks.problem_split` (:func:`workbench.data.tasks.draw_problems`)."""
+    return tasks.draw_problems(families, n, side, rng)
 
 
 def relative_level(e) -> float:

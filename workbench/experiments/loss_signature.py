@@ -56,14 +56,9 @@ class Trace:
 
 
 def draw_problems(families, n: int, side: str, rng: np.random.Generator) -> list:
-    """``n`` problems per (family, difficulty) level from one side of ``tasks.problem_split``
-    (``"train"`` or ``"test"``: disjoint), drawn without replacement by ``rng``."""
-    out = []
-    for f in families:
-        for d in tasks.get(f).difficulties:
-            pool = tasks.problem_split(f, d)[0 if side == "train" else 1]
-            out += [pool[i] for i in rng.permutation(len(pool))[:n]]
-    return out
+    """``n`` problems per (family, difficulty) level from one side (``"train"`` or ``"test"``)
+    of ``tasks.problem_split``: :func:`workbench.data.tasks.draw_problems`."""
+    return tasks.draw_problems(families, n, side, rng)
 
 
 def _corrupt(text: str, rng: random.Random) -> str:
