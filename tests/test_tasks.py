@@ -90,10 +90,10 @@ def test_unknown_family():
 def test_draw_problems_takes_n_per_level_from_one_side_only():
     import numpy as np
     fams = ["add", "reverse"]
-    train = tasks.draw_problems(fams, 3, "train", np.random.default_rng(0))
-    test = tasks.draw_problems(fams, 3, "test", np.random.default_rng(0))
-    levels = sum(len(tasks.get(f).difficulties) for f in fams)
+    train = T.draw_problems(fams, 3, "train", np.random.default_rng(0))
+    test = T.draw_problems(fams, 3, "test", np.random.default_rng(0))
+    levels = sum(len(T.get(f).difficulties) for f in fams)
     assert len(train) == len(test) == 3 * levels
     assert not {e.prompt for e in train} & {e.prompt for e in test}      # disjoint sides
-    again = tasks.draw_problems(fams, 3, "train", np.random.default_rng(0))
+    again = T.draw_problems(fams, 3, "train", np.random.default_rng(0))
     assert [e.prompt for e in again] == [e.prompt for e in train]
