@@ -22,13 +22,19 @@ back bit-exactly.
 """
 from __future__ import annotations
 
+import importlib.util
+import json
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.pytorch_utils import Conv1D
 
 from .grid import Quantized
+from .linear import QuantLinear
 
 __all__ = ["ARCHS", "FLOAT_TYPES", "GGUF_WRITABLE", "LEVEL_RANGE", "QK_K", "add_tokenizer",
            "block_codes", "block_size", "export_model_gguf", "fallback_type", "gguf_arch",
@@ -45,7 +51,6 @@ GGUF_WRITABLE = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "
 
 
 def _qt(name: str):
-    import gguf
     return gguf.GGMLQuantizationType[name]
 
 
@@ -177,7 +182,6 @@ def q3_k_params(w: np.ndarray, sub_scale: np.ndarray | None = None):
 def gguf_quantize(w: np.ndarray, qtype: str) -> np.ndarray:
     """gguf-py's own numpy quantizer (one of :data:`GGUF_WRITABLE`), or ours for Q3_K (RTN,
     :func:`q3_k_params`); returns the raw blocks."""
-    import gguf
     if qtype == "Q3_K":                                   # our writer (gguf-py reads it)
         return pack_q3_k(*q3_k_params(w))
     if qtype not in GGUF_WRITABLE:
@@ -190,7 +194,6 @@ def gguf_quantize(w: np.ndarray, qtype: str) -> np.ndarray:
 
 
 def gguf_dequantize(raw: np.ndarray, qtype: str) -> np.ndarray:
-    import gguf
     return gguf.quants.dequantize(raw, _qt(qtype)).astype(np.float32)
 
 
@@ -202,7 +205,6 @@ def write_gguf(path: str | Path, tensors: dict, arch: str = "llama",
     ``(raw_blocks, qtype_name)`` as made by :func:`gguf_quantize` or the ``pack_*`` helpers.
     ``metadata`` values (str, int, float, bool) go into the key-value section.
     """
-    import gguf
     path = Path(path)
     writer = gguf.GGUFWriter(str(path), arch)
     for k, v in (metadata or {}).items():
@@ -229,7 +231,6 @@ def read_gguf(path: str | Path) -> dict[str, dict]:
     ``values`` is the dequantized float32 array in the logical (row-major, PyTorch) shape; ``raw``
     the stored blocks.
     """
-    import gguf
     reader = gguf.GGUFReader(str(path))
     out = {}
     for t in reader.tensors:
@@ -243,7 +244,6 @@ def read_gguf(path: str | Path) -> dict[str, dict]:
 
 def gguf_metadata(path: str | Path) -> dict:
     """The scalar and string key-value pairs of a GGUF file."""
-    import gguf
     reader = gguf.GGUFReader(str(path))
     meta = {}
     for k, f in reader.fields.items():
@@ -289,7 +289,6 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 
 def block_size(qtype: str) -> int:
     """Weights per block of ``qtype`` (1 for the float types), from ``gguf.GGML_QUANT_SIZES``."""
-    import gguf
     return gguf.GGML_QUANT_SIZES[_qt(qtype)][0]
 
 
@@ -361,7 +360,6 @@ ARCHS = {"llama": "LLAMA", "qwen2": "QWEN2", "gpt2": "GPT2"}     # model_type ->
 
 def gguf_arch(config):
     """``gguf.MODEL_ARCH`` of a ``transformers`` config (Llama, Qwen2 or GPT-2)."""
-    import gguf
     mt = getattr(config, "model_type", None)
     if mt not in ARCHS:
         raise ValueError(f"GGUF export knows the architectures {sorted(ARCHS)}, not {mt!r}")
@@ -389,7 +387,6 @@ def tokenizer_pre(tokenizer) -> str:
     byte-level BPE is ``gpt-2``. Anything else raises: a wrong pre-type would tokenize differently
     without a word.
     """
-    import json
     pre = json.loads(tokenizer.backend_tokenizer.to_str()).get("pre_tokenizer") or {}
     parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
     kinds = [(p.get("type"), p.get("individual_digits"), p.get("use_regex")) for p in parts]
@@ -404,9 +401,7 @@ def add_tokenizer(writer, tokenizer, vocab_size: int, pre: str | None = None) ->
     """Write ``tokenizer`` as llama.cpp's ``gpt2`` model (byte-level BPE): tokens, token types
     (special tokens CONTROL), merges, bos/eos/unk/pad ids, and no BOS/EOS added on encode (as the
     zoo's tokenizer does). Ids past the tokenizer's vocabulary (a padded embedding) are UNUSED."""
-    import json
 
-    import gguf
     bpe = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
     if bpe.get("type") != "BPE":
         raise ValueError(f"only byte-level BPE tokenizers are written, not {bpe.get('type')}")
@@ -433,7 +428,6 @@ def add_tokenizer(writer, tokenizer, vocab_size: int, pre: str | None = None) ->
 
 def _add_hparams(writer, config, arch) -> None:
     """``<arch>.*`` keys, as ``convert_hf_to_gguf.py`` writes them for these architectures."""
-    import gguf
     writer.add_block_count(config.num_hidden_layers)
     writer.add_head_count(config.num_attention_heads)
     writer.add_vocab_size(config.vocab_size)
@@ -459,9 +453,7 @@ def _model_tensors(model: nn.Module, codes: dict):
     weights transposed to (out, in)), a :class:`Quantized` (a :class:`QuantLinear`'s codes, or
     ``codes[name]``), or a ``pack_*`` tuple from ``codes[name]``. A parameter shared by two modules
     (tied embeddings) comes once, under its first name."""
-    from transformers.pytorch_utils import Conv1D
 
-    from .linear import QuantLinear
     seen = set()
     for mname, mod in model.named_modules():
         pre = f"{mname}." if mname else ""
@@ -531,7 +523,6 @@ def export_model_gguf(model: nn.Module, path: str | Path, qtype: str = "Q4_0", t
     required: both runtimes read the vocabulary from the file. ``metadata`` adds string, int,
     float or bool keys (e.g. ``workbench.method``).
     """
-    import gguf
     if tokenizer is None:
         raise ValueError("pass tokenizer=: llama.cpp and transformers read the vocabulary from "
                          "the file")
@@ -602,7 +593,6 @@ def _add_value(writer, key: str, v) -> None:
 
 def tensor_types(path: str | Path) -> dict[str, str]:
     """``tensor name -> GGML type name`` of a GGUF file, read with ``gguf.GGUFReader``."""
-    import gguf
     return {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
 
 
@@ -610,8 +600,6 @@ def import_model_gguf(model: nn.Module, path: str | Path) -> nn.Module:
     """Load a file written by :func:`export_model_gguf` into ``model`` (same architecture and
     shapes), dequantized with gguf-py, in place: the inverse of the export's names, Llama's q/k
     permutation and GPT-2's transposes. Our reader; :func:`load_transformers` is the real one."""
-    import gguf
-    from transformers.pytorch_utils import Conv1D
     config = model.config
     arch = gguf_arch(config)
     tmap = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
@@ -647,7 +635,6 @@ def load_transformers(path: str | Path, dtype=torch.float32, config=None):
     wrong shapes; unless ``config`` is given, we read the config it parses and set those two from
     the file's own keys.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     p = Path(path)
     kw = dict(gguf_file=p.name)
     if config is None:
@@ -665,13 +652,12 @@ def load_transformers(path: str | Path, dtype=torch.float32, config=None):
 
 def have_llama_cpp() -> bool:
     """Is ``llama-cpp-python`` (the optional ``[llama]`` extra) importable?"""
-    import importlib.util
     return importlib.util.find_spec("llama_cpp") is not None
 
 
 def llama_cpp_model(path: str | Path, n_ctx: int, threads: int = 1):
     """A ``llama_cpp.Llama`` on ``path`` that keeps the logits of every position."""
-    from llama_cpp import Llama
+    from llama_cpp import Llama     # the optional [llama] extra: imported only where it is used
     return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx,
                  logits_all=True, n_threads=threads, n_threads_batch=threads, verbose=False)
 
