@@ -72,6 +72,8 @@ def test_say_fills_numbers_from_the_record(project, capsys):
     text = results.render("99-demo", "C1 holds on {claims[C1]} seeds; acc {metrics[acc]:.2f}, "
                                   "{metrics[nope]:.2f} over seeds {seeds}.")
     assert text == "C1 holds on 2/3 seeds; acc 0.70 ± 0.16, ? over seeds 0, 1, 2."
+    assert results.render("99-demo", "{metrics[nope].mean:.1f} {metrics[acc].mean:.1f}") == "? 0.7"
+    assert format(results.Stat(5.0, 0.0, [5, 5, 5]), ".0f") == "5"          # a constant: no "± 0"
     results.say("99-demo", "C1 {claims[C1]}")
     assert capsys.readouterr().out == "C1 2/3\n"              # outside Jupyter: printed
     table = results.table("99-demo")

@@ -153,6 +153,8 @@ class Stat:
 
     def __format__(self, spec: str) -> str:
         spec = spec or ".3g"
+        if self.std == 0 and len(set(self.values)) <= 1:
+            return f"{self.mean:{spec}}"            # the same on every seed: no "± 0"
         return f"{self.mean:{spec}} ± {self.std:{spec}}"
 
 
@@ -260,6 +262,11 @@ def render(slug: str, template: str) -> str:
 
 
 class _Unknown:
+    """A field the record lacks: shown as ``?`` (``{metrics[x]}`` and ``{metrics[x].mean}`` alike),
+    so prose never breaks a run."""
+    def __getattr__(self, name):
+        return self
+
     def __format__(self, spec: str) -> str:
         return "?"
 
