@@ -11,39 +11,15 @@ import torch
 from workbench.data import tasks
 from workbench.evaluate import MIDDLE
 from workbench.experiments import inducekv as lab
+from tiny_models import CharTok, tiny_llama
 
 
-class Tok:
-    """A character tokenizer with the interface the harness uses (one text or a list)."""
-    bos_token_id, eos_token_id, pad_token_id = 1, 2, 0
-
-    def __init__(self):
-        chars = sorted(set("abcdefghijklmnopqrstuvwxyz0123456789+-*=>;?. "))
-        self.vocab = {c: i + 3 for i, c in enumerate(chars)}
-
-    def __len__(self):
-        return len(self.vocab) + 3
-
-    def __call__(self, texts, add_special_tokens=False):
-        if isinstance(texts, str):
-            return {"input_ids": [self.vocab[c] for c in texts]}
-        return {"input_ids": [[self.vocab[c] for c in t] for t in texts]}
+Tok = CharTok
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    tok = Tok()
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=4, vocab_size=len(tok),
-                      max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
-                      pad_token_id=0)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():          # bigger weights than the default init: positions matter more
-        for p in model.parameters():
-            p.mul_(4.0)
-    return model, tok
+    return tiny_llama(n_layers=2)
 
 
 def test_stream_spec():

@@ -8,16 +8,10 @@ from torch import nn
 from workbench.experiments import lqzo as ex
 from workbench.methods import lqzo as M
 from workbench.models import zoo
+from tiny_models import TwoLayerNet
 
 
-class _Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(16, 32), nn.Tanh(),
-                                                   nn.Linear(32, 4))])
-
-    def forward(self, x):
-        return self.layers[0](x)
+_Net = TwoLayerNet
 
 
 def test_task_data_draws_the_pool_from_the_train_side_only():

@@ -10,6 +10,7 @@ from workbench import quant as Q
 from workbench.quant import QuantLinear
 from workbench.experiments import lqzo as X
 from workbench.methods import lqzo as M
+from tiny_models import TwoLayerNet
 
 STRUCTURES = [M.Perturbation(law) for law in M.LAWS] + \
     [M.Perturbation(law, 2) for law in M.LAWS] + \
@@ -122,14 +123,7 @@ def test_near_square_and_reshape_round_trip():
     assert int(torch.linalg.matrix_rank(Z2)) == 2
 
 
-class _Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(16, 32), nn.Tanh(),
-                                                   nn.Linear(32, 4))])
-
-    def forward(self, x):
-        return self.layers[0](x)
+_Net = TwoLayerNet
 
 
 def _tiny_quant_model():
