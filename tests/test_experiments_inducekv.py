@@ -4,7 +4,6 @@ import hashlib
 import json
 
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 

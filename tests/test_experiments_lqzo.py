@@ -3,7 +3,6 @@ estimator quality against its theory, the memory count, ZO fine-tuning and the V
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from workbench.experiments import lqzo as ex
 from workbench.methods import lqzo as M

@@ -6,7 +6,6 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from workbench.experiments import nbdiff as xp  # noqa: E402
-from workbench.methods import nbdiff as nd  # noqa: E402
 
 
 def tiny(vocab=40):

@@ -1,6 +1,5 @@
 """Paper 13: the quotient geometry of LoRA, its Frechet mean, the Fisher special case, and weight
 matching. Each test states a property the paper relies on and would fail if the code were wrong."""
-import numpy as np
 import pytest
 import torch
 

@@ -3,7 +3,6 @@ geoopt's Poincare ball is the reference geometry."""
 import math
 import warnings
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")

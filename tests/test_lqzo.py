@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-from torch import nn
 
 from workbench import quant as Q
 from workbench.quant import QuantLinear

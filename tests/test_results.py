@@ -93,23 +93,26 @@ def test_compare_reports_moved_metrics_and_verdicts_not_timings(tmp_path):
     (b / "99-demo/smoke/seed-0/metrics.json").write_text(
         (b / "99-demo/smoke/seed-0/metrics.json").read_text().replace('"train_s": 0.0',
                                                                       '"train_s": 9.0'))
-    assert compare.compare(a, b) == ([], 1)               # a timing moved: nothing to report
+    c = compare.compare(a, b)
+    assert (c["differences"], c["compared"]) == ([], 1)   # a timing moved: nothing to report
     assert all(compare.is_timing(k) for k in ("c3_cost.step_ms.dora", "cost.step_ms / LoRA.full",
                                                "esig_cost_ratio", "build_seconds", "train_s",
                                                "per_candidate.lm-gpt2.answer alone (s)",
                                                "c5_latency_overhead", "step_s_ste", "timing_exponent"))
     assert not any(compare.is_timing(k) for k in ("acc", "loss_s0", "mean_spikes", "steps"))
     job(b, "99-demo", 1, 0.5, True)
-    assert compare.compare(a, b) == ([], 1)
-    assert compare.unpaired(a, b) == ["99-demo/smoke/seed-1: only in after"]
+    c = compare.compare(a, b)
+    assert (c["differences"], c["compared"]) == ([], 1)
+    assert c["unpaired"] == ["99-demo/smoke/seed-1: only in after"]
     c = tmp_path / "c"
     job(c, "99-demo", 0, 0.5000001, False)
-    lines, _ = compare.compare(a, c)
+    lines = compare.compare(a, c)["differences"]
     assert "99-demo/smoke/seed-0: claim C1: holds True -> False" in lines
     assert any(line.startswith("99-demo/smoke/seed-0: metric acc: 0.5 -> 0.5000001")
                for line in lines)
     assert any("metric curve.1" in line for line in lines)
-    assert compare.compare(a, c, tol=1e-3)[0] == ["99-demo/smoke/seed-0: claim C1: holds True -> False"]
+    assert compare.compare(a, c, tol=1e-3)["differences"] == [
+        "99-demo/smoke/seed-0: claim C1: holds True -> False"]
     assert compare.main([str(a), str(a)]) == 0 and compare.main([str(a), str(c)]) == 1
     more = json.loads((a / "99-demo/smoke/seed-0/metrics.json").read_text())
     more["metrics"]["new"] = 1.0                       # recorded for the prose: added, not moved

@@ -19,7 +19,7 @@ import math
 import sys
 from pathlib import Path
 
-__all__ = ["load_runs", "is_timing", "diff_metrics", "added_metrics", "compare", "unpaired", "main"]
+__all__ = ["load_runs", "is_timing", "diff_metrics", "added_metrics", "compare", "main"]
 
 TIMING_SUFFIXES = ("_s", "_seconds", "seconds", "_time", "_sec", "_ms")
 TIMING_WORDS = ("seconds", "_ms", "wall", "cost_ratio", "speedup", "time_", "timing", "latency",
@@ -103,23 +103,17 @@ def added_metrics(before: dict, after: dict) -> list[str]:
     return sorted(k for k, _ in _flat(after.get("metrics", {})) if k not in ma and not is_timing(k))
 
 
-def compare(before: Path, after: Path, tol: float = 0.0, only=None) -> tuple[list[str], int]:
-    """All differing lines (``job: line``) and the number of jobs compared."""
+def compare(before: Path, after: Path, tol: float = 0.0, only=None) -> dict:
+    """The two folders, job by job: ``differences`` (``job: line``), ``compared`` (jobs in both),
+    ``added`` (metrics only ``after`` records) and ``unpaired`` (jobs only one folder holds)."""
     a, b = load_runs(before), load_runs(after)
-    jobs = sorted(set(a) & set(b))
-    if only:
-        jobs = [j for j in jobs if j.split("/")[0] in only]
-    lines = []
-    for j in jobs:
-        lines += [f"{j}: {line}" for line in diff_metrics(a[j], b[j], tol)]
-    return lines, len(jobs)
-
-
-def unpaired(before: Path, after: Path, only=None) -> list[str]:
-    """Jobs that only one of the two folders holds (not compared)."""
-    a, b = load_runs(before), load_runs(after)
-    return [f"{j}: only in {'before' if j in a else 'after'}" for j in sorted(set(a) ^ set(b))
-            if not only or j.split("/")[0] in only]
+    keep = (lambda j: not only or j.split("/")[0] in only)               # noqa: E731
+    jobs = [j for j in sorted(set(a) & set(b)) if keep(j)]
+    return {"differences": [f"{j}: {line}" for j in jobs for line in diff_metrics(a[j], b[j], tol)],
+            "compared": len(jobs),
+            "added": sum(len(added_metrics(a[j], b[j])) for j in jobs),
+            "unpaired": [f"{j}: only in {'before' if j in a else 'after'}"
+                         for j in sorted(set(a) ^ set(b)) if keep(j)]}
 
 
 def main(argv=None) -> int:
@@ -134,16 +128,12 @@ def main(argv=None) -> int:
         if not d.is_dir():
             print(f"error: {d} is not a run folder", file=sys.stderr)
             return 2
-    lines, n = compare(args.before, args.after, args.tol, args.only)
-    a, b = load_runs(args.before), load_runs(args.after)
-    added = sum(len(added_metrics(a[j], b[j])) for j in set(a) & set(b)
-                if not args.only or j.split("/")[0] in args.only)
-    print("\n".join(lines + [f"(not compared) {u}" for u in unpaired(args.before, args.after,
-                                                                       args.only)]))
-    print(f"{n} jobs compared, {len(lines)} differences" + (f" (tol {args.tol})" if args.tol else
-                                                             " (exact)")
-          + f"; {added} metrics recorded only after (added, not moved)")
-    return 1 if lines else 0
+    c = compare(args.before, args.after, args.tol, args.only)
+    print("\n".join(c["differences"] + [f"(not compared) {u}" for u in c["unpaired"]]))
+    print(f"{c['compared']} jobs compared, {len(c['differences'])} differences"
+          + (f" (tol {args.tol})" if args.tol else " (exact)")
+          + f"; {c['added']} metrics recorded only after (added, not moved)")
+    return 1 if c["differences"] else 0
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from scipy import ndimage, stats
-from scipy import stats
 from sklearn.datasets import load_digits
 
 __all__ = ["Mixture", "mixture_weights", "stable_mixture", "imbalanced_digits", "extreme_field"]

@@ -41,7 +41,6 @@ tasks seen so far); forgetting is the mean over old tasks of (best accuracy ever
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import dataclass, field
 
 import numpy as np

@@ -35,7 +35,7 @@ from ..data import packing, tasks
 from ..env import torch_threads
 from ..progress import progress
 from . import clip, zoo
-from .finetune import TARGETS, lora_model, train_steps  # noqa: F401 (TARGETS re-exported)
+from .finetune import lora_model, train_steps
 
 __all__ = ["POOL_VERSION", "MIXTURES", "PoolSize", "POOL_SIZES", "Pool", "members", "pool_key",
            "adapters", "list_built", "build_all", "POOL_BASE", "POOL_NAME", "CLIP_NAME",
