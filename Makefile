@@ -23,11 +23,11 @@ $(STAMP): pyproject.toml
 run: zoo  ## every notebook at smoke scale, then the report
 	$(VENV)/bin/workbench run --all --out runs/main
 
-# the backbones the notebooks load and the LoRA pool (lm-gpt2 and lm-qwen2 join when a notebook
-# uses them; `workbench zoo build --all` builds every recipe)
+# the backbones the notebooks load and the LoRA pool: copied from the shipped data/zoo (about 10 s);
+# a recipe whose key moved builds here (`workbench zoo build --all` builds every recipe)
 ZOO_MODELS ?= lm-tiny lm-base lm-instruct lm-reasoning lm-qbed lm-gpt2 lm-qwen2 lora-pool/lm-base clip-mini
 
-zoo: $(STAMP)  ## the zoo models the notebooks use, built once into the cache (a no-op when cached)
+zoo: $(STAMP)  ## the zoo models the notebooks use, copied (or built) once into the cache
 	$(VENV)/bin/workbench zoo build $(ZOO_MODELS) --jobs 2
 
 test: zoo  ## unit tests, batch tests, and every notebook under nbval with strict claims

@@ -87,3 +87,28 @@ def test_remove_deletes_the_entry_and_its_lock(tmp_path):
     path, _ = cache.build(tmp_path / "x", lambda tmp: {})
     cache.remove(path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_shipped_entry_is_copied_not_built(tmp_path, monkeypatch):
+    """A zoo entry the checkout ships (data/zoo) is copied into the cache, never made; ``force``
+    makes it anyway, and an entry outside the zoo is never looked for there."""
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cache, "shipped_root", lambda: tmp_path / "shipped")
+    src = tmp_path / "shipped" / "adapters" / "pool-smoke-abc"
+    src.mkdir(parents=True)
+    (src / "card.json").write_text('{"from": "shipped"}')
+    calls = []
+
+    def make(tmp):
+        calls.append(tmp)
+        (tmp / "card.json").write_text('{"from": "made"}')
+
+    where = cache.folder("zoo", "adapters") / "pool-smoke-abc"
+    assert cache.shipped(where, "card.json") == src
+    assert cache.build(where, make, ready="card.json") == (where, False)
+    assert calls == [] and (where / "card.json").read_text() == '{"from": "shipped"}'
+    assert cache.build(where, make, ready="card.json", force=True) == (where, True)
+    assert len(calls) == 1 and '"made"' in (where / "card.json").read_text()
+    # not shipped at this key, or not a zoo entry: made as before
+    assert cache.shipped(cache.folder("zoo") / "other-smoke-abc", "card.json") is None
+    assert cache.shipped(cache.folder("10-hestia") / "pool-smoke-abc", "card.json") is None

@@ -29,7 +29,9 @@ def cache(tmp_path, monkeypatch):
 
 
 def test_two_processes_build_once_then_cache(cache):
-    env = {**os.environ, "WORKBENCH_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+    # a checkout without data/zoo (WORKBENCH_HOME), so lm-micro is trained, not copied
+    env = {**os.environ, "WORKBENCH_CACHE": str(cache), "OMP_NUM_THREADS": "1",
+           "WORKBENCH_HOME": str(cache)}
     procs = [subprocess.Popen([sys.executable, "-c", SCRIPT], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outs = []

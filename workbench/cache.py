@@ -7,6 +7,10 @@ or ``data/cache``), in a folder named by a content :func:`key` of whatever chang
 is renamed into place when finished, so two builders build once and a half-written entry is never
 read. An entry is finished when its ``ready`` file exists.
 
+Shipped entries. The checkout ships the zoo's smoke builds in ``data/zoo`` (:func:`shipped_root`),
+laid out as ``root()/zoo``. :func:`build` copies a shipped entry into the cache instead of making
+it, so every machine starts from the same weights; ``force`` makes it anew from the recipe.
+
 This module sits on the ground floor: it imports nothing from the package but :mod:`env`, and
 neither torch nor transformers.
 """
@@ -21,9 +25,9 @@ from typing import Callable
 
 from filelock import FileLock
 
-from .env import cache_dir
+from .env import cache_dir, project_root
 
-__all__ = ["root", "folder", "key", "build", "is_built", "remove"]
+__all__ = ["root", "folder", "key", "build", "is_built", "remove", "shipped_root", "shipped"]
 
 
 def root() -> Path:
@@ -46,6 +50,22 @@ def key(*parts, length: int = 12) -> str:
     return hashlib.sha1(blob).hexdigest()[:length]
 
 
+def shipped_root() -> Path:
+    """The entries the checkout ships (``data/zoo``), laid out as ``root() / "zoo"``."""
+    return project_root() / "data" / "zoo"
+
+
+def shipped(path: Path, ready: str = "done.json") -> Path | None:
+    """The finished shipped copy of the cache entry at ``path``, or None (not a zoo entry, or
+    not shipped at this key)."""
+    try:
+        rel = Path(path).resolve().relative_to((root() / "zoo").resolve())
+    except ValueError:
+        return None
+    src = shipped_root() / rel
+    return src if is_built(src, ready) else None
+
+
 def is_built(path: Path, ready: str = "done.json") -> bool:
     """Whether the entry at ``path`` is finished (its ``ready`` file exists)."""
     return (Path(path) / ready).exists()
@@ -57,9 +77,11 @@ def build(path: Path, make: Callable[[Path], dict | None], ready: str = "done.js
 
     ``make(tmp)`` writes the entry into the empty folder ``tmp``. If it did not write ``ready``
     itself, the dict it returns is written there as JSON. Under a file lock, a finished entry is
-    looked for again (somebody may have built it while we waited); otherwise ``tmp`` is built and
-    renamed to ``path`` (atomic on one filesystem). ``force`` builds again and replaces a
-    finished entry, which is moved aside only once the new one is done.
+    looked for again (somebody may have built it while we waited); otherwise ``tmp`` is filled
+    and renamed to ``path`` (atomic on one filesystem): with the :func:`shipped` copy when there
+    is one (``built_now`` is then False: nothing was trained), else by ``make``. ``force`` makes
+    it again with ``make`` and replaces a finished entry, which is moved aside only once the new
+    one is done.
     """
     path = Path(path)
     if is_built(path, ready) and not force:
@@ -70,11 +92,15 @@ def build(path: Path, make: Callable[[Path], dict | None], ready: str = "done.js
             return path, False
         tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        src = None if force else shipped(path, ready)
         try:
-            info = make(tmp)
-            if not (tmp / ready).exists():
-                (tmp / ready).write_text(json.dumps(info or {}, indent=2, default=str))
+            if src is not None:
+                shutil.copytree(src, tmp)
+            else:
+                tmp.mkdir(parents=True)
+                info = make(tmp)
+                if not (tmp / ready).exists():
+                    (tmp / ready).write_text(json.dumps(info or {}, indent=2, default=str))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -83,7 +109,7 @@ def build(path: Path, make: Callable[[Path], dict | None], ready: str = "done.js
             os.rename(path, old)
             shutil.rmtree(old, ignore_errors=True)
         os.rename(tmp, path)
-    return path, True
+    return path, src is None
 
 
 def remove(path: Path) -> None:

@@ -257,6 +257,16 @@ def cmd_zoo(args) -> int:
         else:
             print("nothing built yet: `workbench zoo build --all`")
         return 0
+    if args.action == "ship":
+        from .models import shipped
+        try:
+            for line in shipped.ship():
+                print(line)
+        except FileNotFoundError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"data/zoo: {shipped.size_bytes() / 1e6:.1f} MB; commit it with the recipe change")
+        return 0
     if args.action == "clear":
         if len(args.name) > 1:
             print("error: zoo clear takes one recipe name (or none: everything)", file=sys.stderr)
@@ -398,8 +408,10 @@ def parser() -> argparse.ArgumentParser:
                      help="do not write notebooks/results/<slug>.json for notebooks whose default "
                           "smoke run has seeds 0, 1 and 2 ok here (What we saw reads those files)")
 
-    z = sub.add_parser("zoo", help="build, list or clear the shared pretrained backbones")
-    z.add_argument("action", choices=("build", "list", "clear"))
+    z = sub.add_parser("zoo", help="build, list, clear or ship the shared pretrained backbones")
+    z.add_argument("action", choices=("build", "list", "clear", "ship"),
+                   help="ship: copy the local smoke builds at today's keys into data/zoo (what "
+                        "the checkout carries, so nothing is trained elsewhere)")
     z.add_argument("name", nargs="*",
                    help="build: recipes (and lora-pool/lm-base), several at a time like --all; "
                         "clear: one recipe, or none for everything")

@@ -38,7 +38,7 @@ from . import clip, zoo
 from .finetune import lora_model, train_steps
 
 __all__ = ["POOL_VERSION", "MIXTURES", "PoolSize", "POOL_SIZES", "Pool", "members", "pool_key",
-           "adapters", "list_built", "build_all", "POOL_BASE", "POOL_NAME", "CLIP_NAME",
+           "adapters", "pool_dir", "list_built", "build_all", "POOL_BASE", "POOL_NAME", "CLIP_NAME",
            "BUILD_ORDER"]
 
 POOL_VERSION = 1
@@ -106,6 +106,14 @@ def pool_key(base: str, scale: str, names, rank: int, lora_scale: float, size: P
     return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
 
 
+def pool_dir(base: str = "lm-base", model_scale: str = "smoke", families=None, rank: int = 8,
+             scale: float = 2.0) -> Path:
+    """The cache folder of the pool :func:`adapters` builds with these arguments."""
+    names = tuple(families or zoo.ALL_FAMILIES)
+    key = pool_key(base, model_scale, names, rank, scale, POOL_SIZES[model_scale])
+    return zoo.zoo_dir() / "adapters" / f"{base}-{model_scale}-{key}"
+
+
 def adapters(base: str = "lm-base", families=None, rank: int = 8, scale: float = 2.0,
              model_scale: str = "smoke", force: bool = False) -> Pool:
     """The LoRA pool on zoo model ``base``: one adapter per name in ``families`` (task families,
@@ -117,8 +125,7 @@ def adapters(base: str = "lm-base", families=None, rank: int = 8, scale: float =
         raise ValueError(f"rank must be >= 1, got {rank}")
     zoo.recipe(base).size(model_scale)          # clear errors for a bad base or scale
     size = POOL_SIZES[model_scale]
-    path = zoo.zoo_dir() / "adapters" / \
-        f"{base}-{model_scale}-{pool_key(base, model_scale, names, rank, scale, size)}"
+    path = pool_dir(base, model_scale, names, rank, scale)
     cache.build(path, lambda tmp: _build(base, model_scale, names, rank, scale, size, tmp),
                 ready="card.json", force=force)
     return Pool(base, model_scale, path, json.loads((path / "card.json").read_text()))

@@ -1,0 +1,49 @@
+"""The shipped zoo (data/zoo): every recipe, the pool and the mini-CLIP at today's keys, and a
+small recipe that rebuilds to its shipped card."""
+import json
+
+import pytest
+
+from workbench import cache
+from workbench.models import shipped, zoo
+
+# a rebuild on another CPU may round differently (data/zoo.md); one on a machine of the same kind
+# reproduced every card digit for digit. Within these the rebuild is the shipped model's twin.
+PPL_REL_TOL = 0.05          # held-out perplexity, relative
+ACC_ABS_TOL = 0.15          # each family's exact match (100 prompts a family for lm-tiny)
+
+
+def test_every_recipe_pool_and_clip_is_shipped_at_its_key():
+    """A recipe change moves its key: ship its rebuild (`workbench zoo ship`) with it."""
+    assert shipped.check() == []
+    assert set(shipped.entries()) >= set(zoo.RECIPES) | {"lora-pool/lm-base", "clip-mini"}
+
+
+def test_check_names_a_missing_a_mislabelled_and_a_stale_entry(tmp_path):
+    rel, key = shipped.entries()["lm-micro"]
+    (tmp_path / rel).mkdir(parents=True)
+    (tmp_path / rel / "card.json").write_text(json.dumps({"key": "0000000000"}))
+    (tmp_path / "lm-old-smoke-1234567890").mkdir()
+    (tmp_path / "lm-old-smoke-1234567890" / "card.json").write_text("{}")
+    problems = "\n".join(shipped.check(tmp_path))
+    assert f"its card says key 0000000000, the recipe's is {key}" in problems
+    assert "lm-base: nothing shipped" in problems
+    assert "lm-old-smoke-1234567890: shipped but no recipe has this key" in problems
+
+
+def test_the_shipped_zoo_stays_small():
+    assert shipped.size_bytes() < 60e6
+
+
+@pytest.mark.slow
+def test_lm_tiny_rebuilds_to_its_shipped_card(tmp_path, monkeypatch):
+    """CI trains one small recipe from scratch and compares it with the card it ships."""
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))
+    rel, _ = shipped.entries()["lm-tiny"]
+    want = json.loads((cache.shipped_root() / rel / "card.json").read_text())
+    got = zoo.build("lm-tiny", force=True)
+    assert got["key"] == want["key"] and got["parameters"] == want["parameters"]
+    assert got["tokens_seen"] == want["tokens_seen"]
+    assert got["heldout_ppl"] == pytest.approx(want["heldout_ppl"], rel=PPL_REL_TOL)
+    for fam, acc in want["task_accuracy"].items():
+        assert abs(got["task_accuracy"][fam] - acc) <= ACC_ABS_TOL, fam

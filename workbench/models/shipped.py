@@ -1,0 +1,102 @@
+"""The shipped zoo: the smoke builds the checkout carries in ``data/zoo``, so nothing is trained.
+
+Training is deterministic on one machine but not across machines (data/zoo.md: the same recipe
+gave ``lm-base`` kv 0.25 on one CPU and 0.45 on another), and notebooks choose their families from
+the cards, so two machines that built their own zoo ran two different experiments. The checkout
+therefore ships the smoke weights of every recipe, of the LoRA pool on ``lm-base`` and of the
+mini-CLIP, each in the folder its key names, laid out as the cache's ``zoo`` folder;
+:func:`workbench.cache.build` copies a shipped entry into the cache instead of training it. A
+recipe change moves its key, finds nothing shipped and builds as before; ``workbench zoo build
+NAME --force`` rebuilds locally.
+
+:func:`entries` lists what must be shipped at today's keys, :func:`check` what is wrong with
+``data/zoo`` (missing, stale or mislabelled), :func:`ship` copies finished local builds there
+(``workbench zoo ship``, after a recipe change and a rebuild).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from .. import cache
+from . import adapters, clip, zoo
+
+__all__ = ["SCALE", "FILES", "entries", "check", "ship", "size_bytes"]
+
+SCALE = "smoke"
+# what a shipped folder keeps (lock files, peft's README and temporary folders stay behind)
+FILES = ("card.json", "done.json", "config.json", "generation_config.json", "model.safetensors",
+         "tokenizer.json", "tokenizer_config.json", "adapter_config.json",
+         "adapter_model.safetensors")
+
+
+def entries() -> dict[str, tuple[Path, str]]:
+    """``{name: (folder relative to the zoo, the key its card must carry)}`` at today's keys."""
+    out = {}
+    for name, r in zoo.RECIPES.items():
+        out[name] = (zoo.model_dir(name, SCALE).relative_to(zoo.zoo_dir()), r.key(SCALE))
+    pool = adapters.pool_dir(adapters.POOL_BASE, SCALE)
+    out[adapters.POOL_NAME] = (pool.relative_to(zoo.zoo_dir()), pool.name.rsplit("-", 1)[1])
+    c = clip.model_dir(SCALE)
+    out[clip.NAME] = (c.relative_to(zoo.zoo_dir()), c.name.rsplit("-", 1)[1])
+    return out
+
+
+def check(root: Path | None = None) -> list[str]:
+    """What is wrong with the shipped zoo at ``root`` (``data/zoo``): [] when every entry is
+    shipped at today's key, its card agrees, and nothing else is there."""
+    root = Path(root or cache.shipped_root())
+    problems, wanted = [], entries()
+    for name, (rel, key) in wanted.items():
+        card = root / rel / "card.json"
+        if not card.exists():
+            problems.append(f"{name}: nothing shipped at {rel} (build it, then `workbench zoo ship`)")
+            continue
+        c = json.loads(card.read_text())
+        if name == adapters.POOL_NAME:
+            if c.get("base_key") != zoo.recipe(adapters.POOL_BASE).key(SCALE):
+                problems.append(f"{name}: its card's base_key is not lm-base's key")
+        elif c.get("key") != key:
+            problems.append(f"{name}: its card says key {c.get('key')}, the recipe's is {key}")
+    kept = {str(rel) for rel, _ in wanted.values()}
+    for d in _folders(root):
+        if str(d.relative_to(root)) not in kept:
+            problems.append(f"{d.relative_to(root)}: shipped but no recipe has this key (remove it)")
+    return problems
+
+
+def _folders(root: Path) -> list[Path]:
+    """The shipped entry folders under ``root`` (those holding a card)."""
+    return sorted(p.parent for p in root.glob("**/card.json"))
+
+
+def ship(root: Path | None = None) -> list[str]:
+    """Copy every finished local build at today's keys into ``root`` (``data/zoo``), keeping
+    only :data:`FILES`, and remove shipped folders no recipe names any more; return what changed.
+    Raises when an entry is not built locally (build it first)."""
+    root = Path(root or cache.shipped_root())
+    wanted, done = entries(), []
+    for name, (rel, _) in wanted.items():
+        src = zoo.zoo_dir() / rel
+        if not (src / "card.json").exists():
+            raise FileNotFoundError(f"{name} is not built at {src}: `workbench zoo build {name}`")
+        dst = root / rel
+        shutil.rmtree(dst, ignore_errors=True)
+        for f in sorted(src.rglob("*")):
+            if f.is_file() and f.name in FILES:
+                (dst / f.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(f, dst / f.relative_to(src))
+        done.append(f"shipped {name} -> {dst}")
+    kept = {str(rel) for rel, _ in wanted.values()}
+    for d in _folders(root):
+        if str(d.relative_to(root)) not in kept:
+            shutil.rmtree(d)
+            done.append(f"removed {d}")
+    return done
+
+
+def size_bytes(root: Path | None = None) -> int:
+    """The shipped zoo's size on disk (the issue asks for about 60 MB at most)."""
+    root = Path(root or cache.shipped_root())
+    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
