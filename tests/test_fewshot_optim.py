@@ -101,3 +101,37 @@ def test_every_mode_trains_only_its_parameters(tiny):
         assert any(not torch.equal(a, b) for a, b in zip(before, clf.trainable())), mode
     assert counts["linear"] == 3 * TINY.proj and counts["coop"] == 4 * TINY.dim
     assert counts["full"] > counts["lora"] > 0 and counts["adapter"] > 0
+
+
+class _OneWeight(torch.nn.Module):
+    """Two-class logits (w x, 0): a one-parameter classifier whose gradients are easy by hand."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor(0.3))
+
+    def forward(self, x):
+        return torch.stack([self.w * x, torch.zeros_like(x)], dim=-1)
+
+    def trainable(self):
+        return [self.w]
+
+
+def test_numerator_aligned_adam_first_step_is_lr_g_full_over_g_support():
+    """Issue 33: the bias-corrected first moment is the full-data gradient, so the first update
+    is lr * g_full / (|g_support| + eps) (seeding the raw moment made it 1 / (1 - beta1) = 10x)."""
+    lr = 1e-3
+    x, y = torch.tensor([1.0, -2.0]), torch.tensor([0, 0])          # the support set
+    xf, yf = torch.tensor([1.0, -2.0, 0.5, 3.0]), torch.tensor([0, 0, 1, 1])   # the full data
+    clf = _OneWeight()
+    g_support = torch.autograd.grad(torch.nn.functional.cross_entropy(clf(x), y), clf.w)[0]
+    g_full = torch.autograd.grad(torch.nn.functional.cross_entropy(clf(xf), yf), clf.w)[0]
+    assert abs(float(g_full)) > 0 and abs(float(g_full) - float(g_support)) > 1e-3
+    w0 = float(clf.w)
+    fo.train(clf, x, y, "adam_numerator", lr, steps=1, numerator_grad=[g_full])
+    want = -lr * float(g_full) / (abs(float(g_support)) + 1e-8)
+    assert float(clf.w) - w0 == pytest.approx(want, rel=1e-4)
+    # plain Adam's first step is lr * sign(g_support): the seeding is what changes it
+    clf2 = _OneWeight()
+    fo.train(clf2, x, y, "adam", lr, steps=1)
+    assert float(clf2.w) - w0 == pytest.approx(-lr * float(torch.sign(g_support)), rel=1e-4)

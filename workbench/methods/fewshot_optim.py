@@ -140,8 +140,11 @@ def make_optimizer(name: str, params, lr: float, weight_decay: float = 0.0):
 def train(clf: FewShotClassifier, x, y, optimizer: str, lr: float, steps: int,
           numerator_grad=None):
     """Full-batch training of ``clf``'s trainable parameters on the support set ``(x, y)``.
-    ``numerator_grad`` (``adam_numerator``): Adam's first moment starts at this full-data
-    gradient (numerator-side alignment; the denominator stays the support set's)."""
+    ``numerator_grad`` (``adam_numerator``): Adam's first step uses this full-data gradient as
+    its bias-corrected first moment, m_1 / (1 - beta1) = g_full (numerator-side alignment; the
+    denominator stays the support set's, sqrt(v_1 / (1 - beta2)) = |g_support|), so the first
+    update is lr * g_full / (|g_support| + eps): what Adam would do had its first gradient been
+    the full-data one."""
     params = clf.trainable()
     opt = make_optimizer(optimizer, params, lr)
     losses = []
@@ -151,11 +154,14 @@ def train(clf: FewShotClassifier, x, y, optimizer: str, lr: float, steps: int,
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if step == 0 and numerator_grad is not None:
-            # seed Adam's state so that m_1 = the full-data gradient after its beta1 update
+            # seed Adam's state so that after its update m_1 = b1 m_0 + (1 - b1) g = (1 - b1) g_full:
+            # torch divides m_1 by the bias correction 1 - b1, so the corrected moment is g_full
+            # (seeding m_1 = g_full itself made the first step 1 / (1 - b1) = 10 times too large)
+            b1 = opt.param_groups[0]["betas"][0]
             for p, g in zip(params, numerator_grad):
                 st = opt.state[p]
                 st["step"] = torch.tensor(0.0)
-                st["exp_avg"] = (g - (1 - 0.9) * p.grad) / 0.9
+                st["exp_avg"] = (1 - b1) * (g - p.grad) / b1
                 st["exp_avg_sq"] = torch.zeros_like(p)
         opt.step()
         losses.append(float(loss.detach()))
