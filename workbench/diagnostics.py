@@ -22,7 +22,7 @@ from scipy import stats
 __all__ = ["dormant_scores", "dormant_fraction", "activity_scores", "inactive_fraction",
            "saturated_fraction", "singular_values", "srank", "erank", "global_norm", "Tracker",
            "growth_rate", "ablate_singular", "ablate_random", "hutchinson_trace", "spearman_ci",
-           "top_hessian_eigenvalue"]
+           "paired_bootstrap", "top_hessian_eigenvalue"]
 
 
 # -- dormant neurons ---------------------------------------------------------------------------
@@ -255,6 +255,35 @@ def spearman_ci(x, y, n_resamples: int = 1000, confidence: float = 0.95, seed: i
     a = (1 - confidence) / 2
     return {"rho": rho, "low": float(np.quantile(boot, a)), "high": float(np.quantile(boot, 1 - a)),
             "n": len(x)}
+
+
+def paired_bootstrap(a, b, n_resamples: int = 2000, confidence: float = 0.95,
+                     seed: int = 0) -> dict:
+    """The mean difference ``a - b`` of two methods scored on the same items, with a percentile
+    bootstrap interval that keeps the pairing (Efron & Tibshirani 1993, ch. 13).
+
+    ``a`` and ``b`` are per-item scores of one shape: 1-D (items) or 2-D (seeds x items, the
+    same items for every seed). 1-D: items resampled with replacement. 2-D: seeds and items are
+    crossed factors, so each resample draws seeds and, once for all of them, items (the same
+    item is the same question on every seed): the interval carries the spread between seeds as
+    well as between items, and repeating one seed does not narrow it. A claim "a beats b" holds
+    when ``low > 0``.
+
+    Returns ``{"diff", "low", "high", "n_items", "n_seeds"}``."""
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if a.shape != b.shape or a.ndim not in (1, 2) or a.size == 0:
+        raise ValueError(f"a and b must be per-item scores of one 1-D or 2-D shape, got "
+                         f"{a.shape} and {b.shape}")
+    d = (a - b).reshape(-1, a.shape[-1])                  # seeds x items
+    rng = np.random.default_rng(seed)
+    n_seeds, n_items = d.shape
+    seeds = rng.integers(0, n_seeds, (n_resamples, n_seeds)) if n_seeds > 1 else \
+        np.zeros((n_resamples, 1), dtype=int)
+    items = rng.integers(0, n_items, (n_resamples, 1, n_items))
+    boot = d[seeds[..., None], items].mean(axis=(1, 2))
+    q = (1 - confidence) / 2
+    return {"diff": float(d.mean()), "low": float(np.quantile(boot, q)),
+            "high": float(np.quantile(boot, 1 - q)), "n_items": n_items, "n_seeds": n_seeds}
 
 
 # -- top Hessian eigenvalue --------------------------------------------------------------------
