@@ -20,14 +20,15 @@ def notebook(root: Path, slug: str, code: str, md: str = "# title") -> Path:
     return p
 
 
-def job(run: Path, slug: str, seed: int, acc: float, holds: bool, status="ok", params="smoke"):
+def job(run: Path, slug: str, seed: int, acc: float, holds: bool, status="ok", params="smoke",
+        zoo=None):
     d = run / slug / params / f"seed-{seed}"
     d.mkdir(parents=True)
     (d / "metrics.json").write_text(json.dumps({
         "notebook": slug, "seed": seed, "duration_s": 10.0 + seed,
         "metrics": {"acc": acc, "train_s": 3.0 * seed, "curve": [acc, acc / 2]},
         "claims": [{"id": "C1", "text": "acc is high", "holds": holds, "robust": True,
-                    "evidence": {"acc": acc}}]}))
+                    "evidence": {"acc": acc}}], **({"zoo": zoo} if zoo is not None else {})}))
     (d / "job.json").write_text(json.dumps({"status": status}))
 
 
@@ -54,6 +55,31 @@ def test_record_aggregates_the_seeds_and_stale_follows_the_code(project):
     assert results.stale("99-demo") == []
     notebook(project, "99-demo", "x = 2\n")
     assert results.stale("99-demo") == ["the notebook's code cells changed since the record"]
+
+
+def test_a_record_goes_stale_only_when_a_zoo_entry_its_runs_used_moves(project, monkeypatch):
+    from workbench.models import recipes
+    run = project / "runs"
+    for s in range(3):
+        job(run, "99-demo", s, 0.5, True, zoo=["lm-tiny"] if s else ["lm-tiny", "lora-pool"])
+    results.record(run)
+    d = results.load("99-demo")
+    assert d["key"]["zoo_scope"] == "used" and sorted(d["key"]["zoo"]) == ["lm-tiny", "lora-pool"]
+    assert results.stale("99-demo") == []
+    # another recipe moves: this record does not care; its own recipe moves: stale
+    monkeypatch.setitem(recipes.RECIPES, "lm-base",
+                        recipes.replace(recipes.RECIPES["lm-base"], seed=1))
+    assert results.stale("99-demo") == []
+    monkeypatch.setitem(recipes.RECIPES, "lm-tiny",
+                        recipes.replace(recipes.RECIPES["lm-tiny"], seed=1))
+    assert results.stale("99-demo") == ["zoo keys moved: lm-tiny"]
+
+
+def test_a_run_notes_the_zoo_entries_it_looks_up():
+    from workbench import cache
+    from workbench.models import zoo
+    zoo.recipe("lm-micro")
+    assert "lm-micro" in cache.used()
 
 
 def test_a_failed_or_missing_seed_records_nothing(project):

@@ -27,7 +27,8 @@ from filelock import FileLock
 
 from .env import cache_dir, project_root
 
-__all__ = ["root", "folder", "key", "build", "is_built", "remove", "shipped_root", "shipped"]
+__all__ = ["root", "folder", "key", "build", "is_built", "remove", "shipped_root", "shipped",
+           "note_use", "used"]
 
 
 def root() -> Path:
@@ -110,6 +111,21 @@ def build(path: Path, make: Callable[[Path], dict | None], ready: str = "done.js
             shutil.rmtree(old, ignore_errors=True)
         os.rename(tmp, path)
     return path, src is None
+
+
+_USED: set[str] = set()
+
+
+def note_use(name: str) -> None:
+    """Note that this process used the zoo entry ``name`` (a recipe, ``lora-pool``, the
+    mini-CLIP): a run's ``metrics.json`` lists them, so its recorded results go stale when one
+    of *these* keys moves, not when any entry of the zoo does."""
+    _USED.add(name)
+
+
+def used() -> list[str]:
+    """The zoo entries this process used (:func:`note_use`), sorted."""
+    return sorted(_USED)
 
 
 def remove(path: Path) -> None:

@@ -3,8 +3,10 @@
 ``workbench run NN --seeds 0,1,2 --out DIR`` then ``workbench report DIR`` (or
 :func:`record`) writes ``notebooks/results/<slug>.json``: every claim's verdict per seed and every
 scalar metric's mean, std and values, over the seeds of the notebook's default smoke run. The file
-carries a key: a hash of the notebook's code cells and the zoo's recipe keys. When either moves,
-the file is stale (:func:`stale`), and the test suite says which notebook to run again.
+carries a key: a hash of the notebook's code cells and the keys of the zoo entries its runs used
+(each run lists them in ``metrics.json``, from ``cache.used``; a record from before runs listed
+them carries every entry's key). When either moves, the file is stale (:func:`stale`), and the
+test suite says which notebook to run again: a recipe change stales only its users.
 
 In a notebook, :func:`show` renders the verdict table from the file, and :func:`say` renders
 prose whose numbers come from it::
@@ -51,20 +53,26 @@ def notebook_key(nb_path: Path) -> str:
     return hashlib.sha256(json.dumps(code).encode()).hexdigest()[:16]
 
 
-def zoo_keys() -> dict:
-    """The smoke keys of every zoo recipe, the LoRA pool's version and the mini-CLIP's key:
-    when one moves, the backbones (and so the numbers) may have moved."""
-    from .models import clip, recipes           # lazy: clip imports torch
-    from .models.adapters import POOL_VERSION
-    keys = {name: r.key("smoke") for name, r in sorted(recipes.RECIPES.items())}
-    keys["lora-pool"] = POOL_VERSION
-    keys[clip.NAME] = clip.model_dir("smoke").name
-    return keys
+def zoo_keys(names=None) -> dict:
+    """Today's smoke keys of the zoo entries ``names`` (as a run notes them: recipes, ``lora-pool``,
+    the mini-CLIP; ``cache.used``). ``None``: the key of every entry, as records written before
+    runs noted what they used were keyed (the pool then by its version alone)."""
+    from .models import adapters, clip, recipes      # lazy: they import torch
+    if names is None:
+        keys = {name: r.key("smoke") for name, r in sorted(recipes.RECIPES.items())}
+        keys["lora-pool"] = adapters.POOL_VERSION
+        keys[clip.NAME] = clip.model_dir("smoke").name
+        return keys
+    now = {"lora-pool": adapters.recipe_key("smoke"), clip.NAME: clip.model_dir("smoke").name}
+    return {n: now[n] if n in now else recipes.recipe(n).key("smoke") if n in recipes.RECIPES
+            else None for n in sorted(names)}
 
 
-def current_key(slug: str) -> dict:
+def current_key(slug: str, zoo_used=None) -> dict:
+    """The record key of ``slug`` today: its code cells, and the keys of the zoo entries its runs
+    used (``zoo_used``: their names; every entry when unknown)."""
     return {"notebook": notebook_key(project_root() / "notebooks" / f"{slug}.ipynb"),
-            "zoo": zoo_keys()}
+            "zoo": zoo_keys(zoo_used)}
 
 
 def _scalar(v) -> bool:
@@ -111,7 +119,13 @@ def _write(slug: str, runs: list[dict], seeds: list[int]) -> Path:
         ok = [v for v in vals if _scalar(v)]
         metrics[k] = {"mean": statistics.fmean(ok), "std": statistics.pstdev(ok) if len(ok) > 1
                       else 0.0, "values": vals}
-    out = {"notebook": slug, "scale": "smoke", "seeds": seeds, "key": current_key(slug),
+    # the zoo entries the runs used (runs from before runtime noted them have no "zoo": then
+    # every entry's key, as before)
+    used = sorted({n for r in runs for n in r["zoo"]}) if all("zoo" in r for r in runs) else None
+    key = current_key(slug, used)
+    if used is not None:
+        key["zoo_scope"] = "used"
+    out = {"notebook": slug, "scale": "smoke", "seeds": seeds, "key": key,
            "recorded": time.strftime("%Y-%m-%d"),
            "duration_s": [r.get("duration_s") for r in runs],
            "claims": claims, "metrics": metrics}
@@ -131,7 +145,8 @@ def stale(slug: str) -> list[str]:
     d = load(slug)
     if d is None:
         return [f"no recorded results ({path(slug)})"]
-    now = current_key(slug)
+    scoped = d["key"].get("zoo_scope") == "used"
+    now = current_key(slug, list(d["key"]["zoo"]) if scoped else None)
     why = []
     if d["key"]["notebook"] != now["notebook"]:
         why.append("the notebook's code cells changed since the record")

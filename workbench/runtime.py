@@ -25,6 +25,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from . import cache
 from .env import in_ipython, project_root, strict_mode
 from .notebooks import NotebookError, notebooks_dir, parameters
 
@@ -275,7 +276,8 @@ class Run:
         return {"notebook": self.slug, "scale": self.scale, "seed": self.seed,
                 "duration_s": round(self.duration_s, 2), "params": _jsonable(self.params),
                 "sizes": _jsonable(self.resolved_sizes), "metrics": self.metrics,
-                "claims": [c.__dict__ for c in self.claims], "figures": self.figures}
+                "claims": [c.__dict__ for c in self.claims], "figures": self.figures,
+                "zoo": cache.used()}
 
     def finish(self) -> "Verdicts":
         """Write ``metrics.json``, ``params.json``, ``env.json``; return the verdict table.

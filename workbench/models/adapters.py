@@ -38,7 +38,7 @@ from . import clip, zoo
 from .finetune import lora_model, train_steps
 
 __all__ = ["POOL_VERSION", "MIXTURES", "PoolSize", "POOL_SIZES", "Pool", "members", "pool_key",
-           "adapters", "pool_dir", "list_built", "build_all", "POOL_BASE", "POOL_NAME", "CLIP_NAME",
+           "adapters", "recipe_key", "pool_dir", "list_built", "build_all", "POOL_BASE", "POOL_NAME", "CLIP_NAME",
            "BUILD_ORDER"]
 
 POOL_VERSION = 1
@@ -106,6 +106,12 @@ def pool_key(base: str, scale: str, names, rank: int, lora_scale: float, size: P
     return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
 
 
+def recipe_key(model_scale: str = "smoke") -> str:
+    """What every pool at ``model_scale`` shares beside its base and families: the version and
+    the training sizes (a run that used a pool goes stale when this moves)."""
+    return cache.key(POOL_VERSION, asdict(POOL_SIZES[model_scale]))
+
+
 def pool_dir(base: str = "lm-base", model_scale: str = "smoke", families=None, rank: int = 8,
              scale: float = 2.0) -> Path:
     """The cache folder of the pool :func:`adapters` builds with these arguments."""
@@ -126,6 +132,7 @@ def adapters(base: str = "lm-base", families=None, rank: int = 8, scale: float =
     zoo.recipe(base).size(model_scale)          # clear errors for a bad base or scale
     size = POOL_SIZES[model_scale]
     path = pool_dir(base, model_scale, names, rank, scale)
+    cache.note_use("lora-pool")             # the base was noted by its recipe lookup
     cache.build(path, lambda tmp: _build(base, model_scale, names, rank, scale, size, tmp),
                 ready="card.json", force=force)
     return Pool(base, model_scale, path, json.loads((path / "card.json").read_text()))

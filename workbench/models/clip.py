@@ -229,6 +229,8 @@ def ensure(scale: str = "smoke", sizes: ClipSize | None = None, force: bool = Fa
     s = sizes or SIZES[scale]
     path = model_dir(scale, s)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if sizes is None:
+        cache.note_use(NAME)
 
     def build_into(tmp: Path) -> dict:
         # one thread, whoever calls: the weights depend on the thread count (conv and addmm

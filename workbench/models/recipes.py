@@ -13,6 +13,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field, replace
 
+from .. import cache
 from ..data import tasks
 
 __all__ = ["ZOO_VERSION", "ALL_FAMILIES", "Size", "Recipe", "RECIPES", "SMOKE_V2", "SMOKE_V3",
@@ -147,11 +148,12 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
 
 def recipe(name: str, given: Recipe | None = None) -> Recipe:
     """The recipe named ``name`` (or ``given``, when a caller passes its own); a clear error
-    listing the known recipes otherwise."""
+    listing the known recipes otherwise. A lookup by name notes the use (``cache.note_use``)."""
     if given is not None:
         return given
     if name not in RECIPES:
         raise KeyError(f"unknown zoo model {name!r}; recipes are {sorted(RECIPES)}")
+    cache.note_use(name)        # loads and cache keys of derived runs all look their recipe up
     return RECIPES[name]
 
 
