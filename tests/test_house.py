@@ -56,6 +56,25 @@ def what_we_saw(nb_cells) -> tuple[list[str], list[dict]]:
     return md, code
 
 
+RECORDING = re.compile(r"\brun\.(record|claim|savefig|finish|log)\b")
+
+
+def misplaced_explorers(nb_cells) -> list[str]:
+    """Explorer cells (tagged ``explore``, left out of the record's key) must come after the
+    cell that calls ``run.finish()`` and record nothing, so they cannot move a recorded number."""
+    finish = max((i for i, c in enumerate(nb_cells) if c["cell_type"] == "code"
+                  and "run.finish()" in source(c)), default=None)
+    out = []
+    for i, c in enumerate(nb_cells):
+        if "explore" not in c.get("metadata", {}).get("tags", []):
+            continue
+        if finish is None or i < finish:
+            out.append(f"cell {i}: an explorer before run.finish() (move it after the verdicts)")
+        if RECORDING.search(source(c)):
+            out.append(f"cell {i}: an explorer that records ({RECORDING.search(source(c))[0]})")
+    return out
+
+
 TYPED = re.compile(r"(?<![\w.$\\{])[-+]?\d+\.\d+(?![\w}])|\d+\s?%")
 
 
@@ -68,6 +87,11 @@ def test_the_checks_catch_what_they_look_for():
            {"cell_type": "markdown", "source": ["## Exercises\n", "Try lr 0.5.\n"]}]
     md, code = what_we_saw(saw)
     assert len(md) == 1 and len(code) == 1 and TYPED.findall(md[0]) == ["0.53"]
+    tagged = {"cell_type": "code", "metadata": {"tags": ["explore"]}}
+    early = [{**tagged, "source": ["explore.explore(draw, bits=[2, 3])\n"]},
+             {"cell_type": "code", "metadata": {}, "source": ["run.finish()\n"]},
+             {**tagged, "source": ["run.record(x=1)\n"]}]
+    assert len(misplaced_explorers(early)) == 2 and misplaced_explorers(early[1:2]) == []
 
 
 @pytest.mark.parametrize("info", NOTEBOOKS, ids=lambda i: i.slug)
@@ -90,6 +114,11 @@ def test_what_we_saw_is_rendered_from_recorded_runs(info):
     assert shown, f'a code cell tagged "results" must call results.show("{info.slug}")'
     typed = [n for m in md for n in TYPED.findall(m)]
     assert typed == [], f"numbers typed into What we saw (render them with results.say): {typed}"
+
+
+@pytest.mark.parametrize("info", NOTEBOOKS, ids=lambda i: i.slug)
+def test_explorers_come_after_the_verdicts_and_record_nothing(info):
+    assert misplaced_explorers(cells(info)) == []
 
 
 @pytest.mark.parametrize("info", NOTEBOOKS, ids=lambda i: i.slug)

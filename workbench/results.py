@@ -28,11 +28,12 @@ from pathlib import Path
 
 from .env import project_root
 
-__all__ = ["SEEDS", "results_dir", "path", "notebook_key", "zoo_keys", "current_key", "record",
+__all__ = ["SEEDS", "RESULTS_TAG", "EXPLORE_TAG", "results_dir", "path", "notebook_key", "zoo_keys", "current_key", "record",
            "load", "stale", "Recorded", "table", "show", "render", "say", "findings", "main"]
 
 SEEDS = (0, 1, 2)           # the seeds a recorded result covers
 RESULTS_TAG = "results"     # a code cell tagged so shows recorded results: not part of the key
+EXPLORE_TAG = "explore"     # an explorer after run.finish() (workbench.explore): records nothing
 
 
 def results_dir() -> Path:
@@ -46,10 +47,12 @@ def path(slug: str) -> Path:
 
 def notebook_key(nb_path: Path) -> str:
     """A hash of the notebook's code cells (sources only; the cells tagged ``results``, which
-    only read this file, and all markdown are left out, so editing prose keeps the record)."""
+    only read this file, and ``explore``, which come after the verdicts and record nothing
+    (``tests/test_house.py`` checks both), and all markdown are left out, so editing prose or an
+    explorer keeps the record)."""
     nb = json.loads(Path(nb_path).read_text())
     code = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"
-            and RESULTS_TAG not in c.get("metadata", {}).get("tags", [])]
+            and not {RESULTS_TAG, EXPLORE_TAG} & set(c.get("metadata", {}).get("tags", []))]
     return hashlib.sha256(json.dumps(code).encode()).hexdigest()[:16]
 
 

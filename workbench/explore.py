@@ -1,0 +1,146 @@
+"""Explorers: controls over the knob that carries a paper's idea, redrawing a picture as they move.
+
+A notebook declares what to vary and how to draw one state; this module builds the controls.
+:func:`explore` takes ``draw(**values) -> figure`` (matplotlib or plotly) and one control per
+knob, declared by its values:
+
+- a list or tuple of choices: a dropdown (strings) or a selection slider (numbers);
+- ``range_(low, high, step)``: a slider over a continuous range;
+- a bool: a checkbox.
+
+The first choice (or ``range_``'s ``value``) is the default. In a live Jupyter session
+(:func:`workbench.env.interactive`) the controls appear above the picture and every move redraws
+it: a draw should take under a second on two cores, so it reads cached results or recomputes
+something cheap. Under papermill, nbval and CI (and in a plain script) nothing interactive is
+built: the default state is drawn once, a static picture the executed notebook, the report and
+the book keep, with a line naming the knobs a live session would offer.
+
+:func:`explore_table` is the common case of a cached table: pick rows by the knobs' columns and
+draw ``y`` against ``x``, one line per ``by`` value.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import ipywidgets as widgets
+import matplotlib.pyplot as plt
+import pandas as pd
+import plotly.graph_objects as go
+from IPython.display import display
+
+from . import plots
+from .env import interactive
+
+__all__ = ["range_", "explore", "explore_table", "defaults"]
+
+
+@dataclass(frozen=True)
+class range_:          # noqa: N801 - reads like a declaration: range_(0.0, 1.0, 0.05)
+    """A continuous knob: a slider from ``low`` to ``high`` in steps of ``step``."""
+    low: float
+    high: float
+    step: float
+    value: float | None = None
+
+    def __post_init__(self):
+        if not self.low < self.high or self.step <= 0:
+            raise ValueError(f"range_ needs low < high and step > 0, got {self}")
+        v = self.low if self.value is None else self.value
+        if not self.low <= v <= self.high:
+            raise ValueError(f"range_ value {v} lies outside [{self.low}, {self.high}]")
+
+
+def _check(name: str, spec) -> None:
+    if isinstance(spec, (list, tuple)) and len(spec) == 0:
+        raise ValueError(f"knob {name!r} has no values to choose from")
+    if not isinstance(spec, (list, tuple, range_, bool)):
+        raise TypeError(f"knob {name!r}: give a list of choices, range_(low, high, step) or a "
+                        f"bool, not {type(spec).__name__}")
+
+
+def defaults(knobs: dict) -> dict:
+    """The default value of every knob: the first choice, ``range_``'s value (or low), the bool."""
+    for name, spec in knobs.items():
+        _check(name, spec)
+    return {n: (s.low if s.value is None else s.value) if isinstance(s, range_)
+            else s if isinstance(s, bool) else s[0] for n, s in knobs.items()}
+
+
+def _control(name: str, spec):
+    if isinstance(spec, bool):
+        return widgets.Checkbox(value=spec, description=name)
+    if isinstance(spec, range_):
+        return widgets.FloatSlider(value=defaults({name: spec})[name], min=spec.low,
+                                   max=spec.high, step=spec.step, description=name,
+                                   continuous_update=False)
+    if all(isinstance(v, str) for v in spec):
+        return widgets.Dropdown(options=list(spec), value=spec[0], description=name)
+    return widgets.SelectionSlider(options=list(spec), value=spec[0], description=name,
+                                   continuous_update=False)
+
+
+def _show(fig) -> None:
+    """Display a matplotlib or plotly figure once (a matplotlib one is closed after, so a live
+    session does not draw it twice)."""
+    display(fig)
+    if isinstance(fig, plt.Figure):
+        plt.close(fig)
+
+
+def explore(draw: Callable[..., object], **knobs):
+    """Controls for ``knobs`` over the picture ``draw(**values)`` (see the module docstring).
+
+    Live: returns the widget box (controls and output). Otherwise: draws the defaults once and
+    returns that figure."""
+    if not knobs:
+        raise ValueError("explore needs at least one knob to vary")
+    start = defaults(knobs)
+    if not interactive():
+        fig = draw(**start)
+        offered = ", ".join(f"{n} in {list(s) if isinstance(s, (list, tuple)) else s}"
+                            for n, s in knobs.items())
+        print(f"explorer (static: the default state {start}; a live session varies {offered})")
+        return fig
+    controls = {n: _control(n, s) for n, s in knobs.items()}
+    out = widgets.interactive_output(lambda **v: _show(draw(**v)), controls)
+    box = widgets.VBox([widgets.HBox(list(controls.values())), out])
+    display(box)
+    return box
+
+
+def _table_figure(rows: pd.DataFrame, x: str, y: str, by: str | None, title: str):
+    """A plotly figure live (hover, zoom, toggle lines), a matplotlib one otherwise."""
+    groups = rows.groupby(by, sort=False) if by else [(y, rows)]
+    if interactive():
+        fig = go.Figure([go.Scatter(x=g[x], y=g[y], name=str(k), mode="lines+markers",
+                                    line=dict(color=plots.PALETTE[i % len(plots.PALETTE)]))
+                         for i, (k, g) in enumerate(groups)])
+        return fig.update_layout(title=title, xaxis_title=x, yaxis_title=y,
+                                 template="plotly_white", hovermode="x unified")
+    fig, ax = plots.subplots()
+    for i, (k, g) in enumerate(groups):
+        ax.plot(g[x], g[y], "o-", color=plots.PALETTE[i % len(plots.PALETTE)], label=str(k))
+    ax.set(title=title, xlabel=x, ylabel=y)
+    if by:
+        ax.legend(fontsize=8)
+    return fig
+
+
+def explore_table(table: pd.DataFrame, x: str, y: str, knobs: list[str], by: str | None = None,
+                  title: str = ""):
+    """An explorer over a cached table: one control per column in ``knobs`` (its distinct
+    values, in the table's order), drawing ``y`` against ``x`` for the rows that match, one
+    line per ``by`` value."""
+    missing = [c for c in [x, y, *knobs, *([by] if by else [])] if c not in table.columns]
+    if missing:
+        raise KeyError(f"explore_table: no column(s) {missing}; the table has {list(table.columns)}")
+
+    def draw(**values):
+        rows = table
+        for k, v in values.items():
+            rows = rows[rows[k] == v]
+        label = ", ".join(f"{k}={v}" for k, v in values.items())
+        return _table_figure(rows.sort_values(x), x, y, by, f"{title} ({label})" if title else label)
+
+    return explore(draw, **{k: list(pd.unique(table[k])) for k in knobs})
