@@ -1,0 +1,68 @@
+"""A fresh clone, timed as a newcomer meets it: bootstrap, the shipped zoo, then ``make run`` or
+``make test`` (issue 31's targets on the 2-core machine: ``make run`` within 20 minutes, ``.ci/run``
+within 25).
+
+The clone is made from this checkout's committed ``HEAD`` (``git clone``: no uncommitted file,
+no cache, no ``.venv``) into a temporary folder, and each phase is one ``make`` target, timed from
+outside: ``bootstrap`` (``.venv``: CPU torch from the wheel cache, then the package),
+``zoo`` (the shipped checkpoints copied into the cache), then ``run`` (19 notebooks at smoke)
+or ``test`` (what ``.ci/run`` calls). Nothing else should run meanwhile: the numbers are wall
+time. The phases and the load average are printed and written as JSON. Usage, from the
+repository root:
+
+    python benchmarks/fresh_clone.py --target run --out runs/fresh_clone.json
+    python benchmarks/fresh_clone.py --target test
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def timed(cmd: list[str], cwd: Path, log: Path) -> dict:
+    """Run ``cmd`` in ``cwd`` (output to ``log``); its wall seconds, exit status, load after."""
+    t0 = time.time()
+    with log.open("w") as f:
+        rc = subprocess.call(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT,
+                             env={**os.environ, "WORKBENCH_CACHE": ""})
+    return {"cmd": " ".join(cmd), "seconds": round(time.time() - t0, 1), "rc": rc,
+            "load_after": os.getloadavg()[0]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", choices=("run", "test", "zoo"), default="run",
+                    help="the last phase: make run (19 notebooks), make test (CI), or stop at zoo")
+    ap.add_argument("--keep", action="store_true", help="keep the clone (its path is printed)")
+    ap.add_argument("--out", type=Path, help="write the phases as JSON here")
+    args = ap.parse_args(argv)
+    where = Path(tempfile.mkdtemp(prefix="workbench-fresh-"))
+    clone = where / "clone"
+    subprocess.check_call(["git", "clone", "--quiet", "--no-hardlinks", str(ROOT), str(clone)])
+    phases = {"load_before": os.getloadavg()[0]}
+    phases["bootstrap"] = timed(["make", ".venv/.installed"], clone, where / "bootstrap.log")
+    phases["zoo"] = timed(["make", "zoo"], clone, where / "zoo.log")
+    if args.target != "zoo":
+        phases[args.target] = timed(["make", args.target], clone, where / f"{args.target}.log")
+    total = sum(p["seconds"] for p in phases.values() if isinstance(p, dict))
+    phases["total_minutes"] = round(total / 60, 1)
+    print(json.dumps(phases, indent=1))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(phases, indent=1) + "\n")
+    print(f"logs and clone: {where}" if args.keep else f"logs: {where}/*.log", file=sys.stderr)
+    if not args.keep:
+        subprocess.call(["rm", "-rf", str(clone)])
+    return max(p["rc"] for p in phases.values() if isinstance(p, dict))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
