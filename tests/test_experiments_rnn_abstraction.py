@@ -1,5 +1,6 @@
 """The harness of notebook 17 (workbench.experiments.rnn_abstraction) at tiny sizes: the
-transition statistic, the ablated states, the control RNN and the transfer runs."""
+transition statistic, the ablated states, the control RNNs, the rank profile (C3's control) and
+the transfer runs."""
 import numpy as np
 import pytest
 
@@ -59,3 +60,29 @@ def test_transfer_runs_start_every_condition_from_the_same_init():
     auc, final = xp.transfer_summary(curves)
     assert auc["again"] == auc["random init"] and len(final["scaffold"]) == 2
     assert final["scaffold"][0] == pytest.approx(float(np.mean(curves["scaffold"][0]["novel"][-3:])))
+
+
+def test_rank_profile_of_a_spiked_matrix():
+    g = torch.Generator().manual_seed(3)
+    noise = torch.randn(32, 32, generator=g, dtype=torch.float64) / 32 ** 0.5
+    u = torch.randn(32, 1, generator=g, dtype=torch.float64)
+    spiked = noise + 4 * (u @ u.T) / u.norm() ** 2
+    flat, low = xp.rank_profile(noise), xp.rank_profile(spiked)
+    assert set(low) == {"stable_rank", "erank", "n_outliers", "top1_energy"}
+    assert low["stable_rank"] < flat["stable_rank"] / 2 and low["erank"] < flat["erank"]
+    assert (flat["n_outliers"], low["n_outliers"]) == (0, 1)
+    s = torch.linalg.svdvals(spiked)
+    assert low["top1_energy"] == pytest.approx(float(s[0] ** 2 / (s ** 2).sum()))
+    assert low["stable_rank"] == pytest.approx(1 / low["top1_energy"])
+
+
+def test_pattern_classifier_trains_like_the_notebook_and_decay_changes_it():
+    task = _task()
+    m = xp.pattern_classifier(task, S, 1e-2, 0.0, 7, torch.Generator().manual_seed(4), "cpu")
+    g = torch.Generator().manual_seed(4)                   # the notebook's inline path
+    ref = ra.PatternRNN(task.vocab_size, S["hidden"], S["embed_dim"], task.n_classes,
+                        input_seed=7, generator=g)
+    ra.train_classifier(ref, task, S["steps"], S["batch"], 1e-2, weight_decay=0.0, generator=g)
+    assert torch.equal(m.w_hh, ref.w_hh) and torch.equal(m.table, ref.table)
+    decayed = xp.pattern_classifier(task, S, 1e-2, 0.5, 7, torch.Generator().manual_seed(4), "cpu")
+    assert decayed.w_hh.norm() < m.w_hh.norm()

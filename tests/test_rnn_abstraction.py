@@ -87,6 +87,18 @@ def test_outliers_of_a_spiked_random_matrix():
     assert ra.n_outliers(spiked) == 1
 
 
+def test_stable_rank_counts_leading_size_components_and_ignores_scale():
+    g = torch.Generator().manual_seed(7)
+    u, v = torch.randn(16, 1, generator=g), torch.randn(1, 16, generator=g)
+    assert math.isclose(ra.stable_rank(u @ v), 1.0, rel_tol=1e-6)        # rank one
+    q = torch.linalg.qr(torch.randn(16, 16, generator=g, dtype=torch.float64))[0]
+    assert math.isclose(ra.stable_rank(q), 16.0, rel_tol=1e-9)           # flat spectrum: n
+    d = torch.diag(torch.tensor([3.0, 1.0, 1.0, 0.0]))
+    assert math.isclose(ra.stable_rank(d), (9 + 1 + 1) / 9, rel_tol=1e-9)
+    assert math.isclose(ra.stable_rank(0.01 * d), ra.stable_rank(d), rel_tol=1e-9)
+    assert ra.stable_rank(torch.zeros(3, 3)) == 0.0
+
+
 # -- probes on a constructed linearly separable set --------------------------------------------
 def test_probe_on_linearly_separable_states():
     rng = np.random.default_rng(0)

@@ -5,7 +5,10 @@ What the notebook measures around the method: the PCA of the classifier's states
 direction of the state tracks the same/different transitions (multiple correlation R, against
 random directions), the singular-vector ablation with fixed and refit decoders (C4), the
 shuffled-label control RNN and the scaffold-transfer runs of fresh next-token RNNs (C6), their
-summary, and the pattern decoding of the next-token RNN against the classifier (C5).
+summary, and the pattern decoding of the next-token RNN against the classifier (C5). C3's
+control: the same classifier and the shuffled-label RNN trained at a second weight decay, and
+the rank profile of each recurrent matrix, so that "low rank emerges from the task" is judged
+against a network trained at equal decay on targets without the pattern structure.
 """
 from __future__ import annotations
 
@@ -18,8 +21,8 @@ from .. import diagnostics as D
 from ..methods import rnn_abstraction as ra
 
 __all__ = ["state_pca", "transition_R", "random_direction_R", "ablated_final_states",
-           "ablation_decoding", "shuffled_label_rnn", "transfer_runs", "transfer_summary",
-           "decoding_vs_classifier"]
+           "ablation_decoding", "pattern_classifier", "shuffled_label_rnn", "rank_profile",
+           "transfer_runs", "transfer_summary", "decoding_vs_classifier"]
 
 
 def state_pca(H: np.ndarray) -> PCA:
@@ -75,6 +78,18 @@ def ablation_decoding(finals: dict, trans: np.ndarray, length: int, seed: int):
     return summary, refit
 
 
+def pattern_classifier(task, S: dict, lr: float, weight_decay: float, input_seed: int,
+                       generator: torch.Generator, device) -> ra.PatternRNN:
+    """A classifier RNN trained exactly as the notebook's main one (fresh train-token sequences
+    every step, ``S["steps"]`` steps of ``S["batch"]``) at ``weight_decay``: C3's no-decay run.
+    Draws its init and its data from ``generator``; returned on the CPU."""
+    m = ra.PatternRNN(task.vocab_size, S["hidden"], S["embed_dim"], task.n_classes,
+                      input_seed=input_seed, generator=generator).to(device)
+    ra.train_classifier(m, task, S["steps"], S["batch"], lr, weight_decay=weight_decay,
+                        generator=generator)
+    return m.cpu()
+
+
 def shuffled_label_rnn(task, S: dict, lr: float, weight_decay: float, input_seed: int,
                        generator: torch.Generator, device) -> ra.PatternRNN:
     """The control: a classifier RNN with the same budget and input pathway, trained on a fixed
@@ -85,6 +100,15 @@ def shuffled_label_rnn(task, S: dict, lr: float, weight_decay: float, input_seed
     ra.train_classifier(shuf, task, S["steps"], S["batch"], lr, n_seqs=S["shuffled_seqs"],
                         shuffle_labels=True, weight_decay=weight_decay, generator=generator)
     return shuf
+
+
+def rank_profile(w: torch.Tensor) -> dict:
+    """How low-rank a recurrent matrix is: its stable rank ``||W||_F^2 / s_1^2`` (C3's measure),
+    its entropy effective rank, its outliers above the random bulk, and the share of its energy
+    ``s_i^2`` in the leading component."""
+    s = torch.linalg.svdvals(w.detach().double())
+    return {"stable_rank": ra.stable_rank(w), "erank": D.erank(s, is_sv=True),
+            "n_outliers": ra.n_outliers(w), "top1_energy": float(s[0] ** 2 / (s ** 2).sum())}
 
 
 def transfer_runs(task, parts: dict, S: dict, lr: float, weight_decay: float, input_seed: int,

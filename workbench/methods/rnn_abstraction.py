@@ -45,7 +45,7 @@ from workbench.data.patterns import PatternTask
 __all__ = ["PatternRNN", "states_with", "train_classifier", "accuracy", "next_token_loss",
            "train_next_token", "optimal_next_token_loss", "probe_accuracy", "fixed_probe",
            "prefix_purity", "best_k", "participation_ratio", "leading_projection", "corr",
-           "bulk_edge", "n_outliers", "scaffold", "add_scaffold"]
+           "bulk_edge", "n_outliers", "stable_rank", "scaffold", "add_scaffold"]
 
 
 # -- the model ---------------------------------------------------------------------------------
@@ -307,6 +307,14 @@ def n_outliers(w: torch.Tensor, margin: float = 1.1) -> int:
     """Number of singular values above ``margin`` x :func:`bulk_edge` (the effective low rank)."""
     s = torch.linalg.svdvals(w.detach().double())
     return int((s > margin * bulk_edge(w)).sum())
+
+
+def stable_rank(w: torch.Tensor) -> float:
+    """``||W||_F^2 / s_1^2 = sum_i s_i^2 / s_1^2``: how many components of the size of the leading one
+    the matrix's energy would fill (1 for rank one, n for an orthogonal matrix). Continuous and
+    scale-free, so two matrices trained at different weight decays compare on it (C3's control)."""
+    s = torch.linalg.svdvals(w.detach().double())
+    return float((s ** 2).sum() / s[0] ** 2) if s[0] > 0 else 0.0
 
 
 def scaffold(w: torch.Tensor, rank: int, norm: float | None = None) -> torch.Tensor:
