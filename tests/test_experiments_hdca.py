@@ -84,40 +84,96 @@ def _bed(seed=1, n_classes=6, d=16):
 
 
 S = {"steps": 5, "lr": 1e-2, "rank": 2, "alpha": 1.0, "c_head": 1.0, "c_task": 4.0, "c_cum": 4.0,
-     "replay_per_class": 2}
+     "enc_norm": 2.0, "replay_per_class": 2, "lwf": 1.0}
+
+
+def _clip_bed(seed=0, n_classes=6, n_blocks=1):
+    """A bed on a tiny random CLIP vision tower, with the in-encoder adapter's inputs."""
+    from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
+    torch.manual_seed(seed)
+    m = CLIPVisionModelWithProjection(CLIPVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        image_size=8, patch_size=4, projection_dim=12)).eval()
+    for p in m.parameters():
+        p.requires_grad_(False)
+    g = torch.Generator().manual_seed(seed)
+    y = torch.arange(n_classes).repeat(6)
+    x = (torch.rand(n_classes, 3, 8, 8, generator=g)[y] + 0.3 * torch.rand(len(y), 3, 8, 8, generator=g))
+    with torch.no_grad():
+        f = torch.nn.functional.normalize(m(pixel_values=x).image_embeds, dim=-1)
+        w = torch.stack([f[y == k].mean(0) for k in range(n_classes)])   # only for this test
+    h = ex.encoder_inputs(m, x, n_blocks)
+    vm = m.vision_model
+    return {"f_tr": f, "y_tr": y, "f_te": f, "y_te": y, "h_tr": h, "h_te": h, "w": w,
+            "encoder": (vm.encoder.layers[-n_blocks:], vm.post_layernorm, m.visual_projection),
+            "names": [str(k) for k in range(n_classes)], "splits": ex.session_splits(n_classes, 3, 0)}
 
 
 def test_every_adapter_starts_from_the_same_initialisation():
     # the factors are drawn at the first session, from torch's generator seeded at creation
-    a = ex.new_adapter(16, 2, 7, True, 4.0, 4.0)
+    bed = _bed()
+    a = ex.new_adapter(bed, "output", 2, 7, True, 4.0, 4.0)
     a.new_session()
-    b = ex.new_adapter(16, 2, 7, False)
+    b = ex.new_adapter(bed, "output", 2, 7, False)
     b.new_session()
     assert torch.equal(a.adapters[0].A, b.adapters[0].A)
-    c = ex.new_adapter(16, 2, 8)
+    c = ex.new_adapter(bed, "output", 2, 8)
     c.new_session()
     assert not torch.equal(a.adapters[0].A, c.adapters[0].A)
 
 
-def test_compare_methods_is_deterministic_and_fills_the_ablation():
-    bed = _bed()
-    res, abl, ad = ex.compare_methods(bed, S, 20.0, seed=0)
-    assert list(res) == ["zero-shot", "seq-ft", "replay", "hdca"]
+def test_encoder_inputs_reproduce_clips_image_features():
+    bed = _clip_bed(n_blocks=2)
+    ad = ex.new_adapter(bed, "encoder", 2, 0, True, 1.0, 1.0)
+    with torch.no_grad():
+        assert torch.allclose(ad(bed["h_te"]), bed["f_te"], atol=1e-5)
+    assert ex.curvatures(S, "encoder") == (1.0, 1.0) and ex.curvatures(S, "output") == (4.0, 4.0)
+
+
+@pytest.mark.parametrize("variant", list(ex.VARIANTS))
+def test_compare_methods_is_deterministic_and_fills_the_ablation(variant):
+    bed = _clip_bed() if variant == "encoder" else _bed()
+    res, ad = ex.compare_methods(bed, S, 20.0, seed=0, variant=variant)
+    assert list(res) == ["zero-shot", "seq-ft", "lwf", "replay", "hdca"]
+    abl = ex.ablation_runs(bed, S, 20.0, 0, res["hdca"], variant)
     assert set(abl) == {(s, h) for s in ex.ABLATION for h in ("cosine", "poincare")}
-    assert abl["both", "poincare"] is res["hdca"] and len(ad.adapters) == 3
-    again, _, _ = ex.compare_methods(bed, S, 20.0, seed=0)
+    assert abl["both", "poincare"] is res["hdca"]
+    again, _ = ex.compare_methods(bed, S, 20.0, seed=0, variant=variant)
     for m in res:
         assert res[m]["curve"] == again[m]["curve"]
+    lwf, seq = res["lwf"]["logs"], res["seq-ft"]["logs"]
+    assert lwf[0]["loss"] == seq[0]["loss"]                        # no teacher in session 1
+    assert lwf[1]["loss"][0] == seq[1]["loss"][0]                  # teacher = student at start
+    assert lwf[1]["loss"][1:] != seq[1]["loss"][1:]                # then the distillation acts
     # the ablation's "none" keeps no compression: its displacement is the raw sum
     d = abl["none", "cosine"]["displacement"][-1]
     assert d["cumulative"] == pytest.approx(d["sum_raw"], rel=1e-5)
-    w = ex.wins(res, ["zero-shot", "seq-ft"])
-    assert set(w) == {"zero-shot", "seq-ft"} and set(w["seq-ft"]) == {"avg", "last", "forgetting"}
+    assert {k.split(".")[-1] for k in ad.state_dict()} == {"A", "B"}
+
+
+def test_item_scores_average_to_pycils_metrics():
+    bed = _bed()
+    res, _ = ex.compare_methods(bed, S, 20.0, seed=0, variant="output")
+    for r in res.values():
+        s = ex.item_scores(r)
+        assert s["avg"].mean() == pytest.approx(r["avg_incremental"])
+        assert s["last"].mean() == pytest.approx(r["last"])
+        assert s["retention"].mean() == pytest.approx(-r["forgetting"])
+    g = ex.paired_gains(res, ["seq-ft", "hdca"])
+    assert g["hdca"]["avg"]["diff"] == 0 and g["hdca"]["avg"]["low"] == 0
+    assert g["seq-ft"]["last"]["diff"] == pytest.approx(res["hdca"]["last"] - res["seq-ft"]["last"])
+    assert ex.beats(g)["hdca"] == {"avg": False, "last": False, "retention": False}
+
+
+def test_lwf_distillation_is_zero_when_student_and_teacher_agree():
+    z = torch.randn(5, 4)
+    assert float(ex._distill(z, z)) == pytest.approx(0.0, abs=1e-6)
+    assert float(ex._distill(z, z.flip(0))) > 0
 
 
 def test_residual_growth_keeps_direction_and_saturates_at_the_bound():
     bed = _bed()
-    ad = ex.new_adapter(16, 2, 0, True, 16.0, 16.0)
+    ad = ex.new_adapter(bed, "output", 2, 0, True, 16.0, 16.0)
     ex.run_sessions(bed["f_tr"], bed["y_tr"], bed["f_te"], bed["y_te"], bed["w"], bed["splits"],
                     ad, "poincare", 20.0, 10, 1e-2)
     grow, cos_min = ex.residual_growth(ad, bed["f_te"], 2.0 ** np.arange(-8, 7))
@@ -129,17 +185,18 @@ def test_residual_growth_keeps_direction_and_saturates_at_the_bound():
 
 def test_the_poincare_head_ranks_as_the_cosine_head():
     bed = _bed()
-    ad = ex.new_adapter(16, 2, 0, True, 4.0, 4.0)
+    ad = ex.new_adapter(bed, "output", 2, 0, True, 4.0, 4.0)
     ad.new_session()
     with torch.no_grad():
         ad.adapters[0].B.normal_(0, 1.0)
-    r = ex.ranking_agreement(ad, bed, 20.0, 1.0, 1.0)
+        z = ad(bed["f_te"])
+    r = ex.ranking_agreement(z, bed["w"], 20.0, 1.0, 1.0)
     assert r["argmax_agree"] == 1.0 and r["order_agree"] == 1.0 and r["classes"] == 6
     s = ex.slope_ratios(20.0, 1.0, 1.0)
     assert s["cosine_0.95_over_0"] == pytest.approx(1.0) and s["poincare_0.95_over_0"] > 1.5
 
 
 def test_curvature_sweep_has_one_row_per_curvature():
-    sweep = ex.curvature_sweep(_bed(), S, 20.0, 0, [1.0, 64.0])
+    sweep = ex.curvature_sweep(_bed(), S, 20.0, 0, [1.0, 64.0], "output")
     assert list(sweep.index) == [1.0, 64.0] and list(sweep.columns) == list(ex.METRICS)
     assert isinstance(sweep, pd.DataFrame)

@@ -132,3 +132,68 @@ def test_displacement_is_bounded_per_task_and_cumulatively():
     plain = hdca.HDCAAdapter(8, rank=3, per_session=True)
     plain.adapters = ad.adapters                                  # the same factors, no kappa
     assert torch.allclose(plain.displacement(f).norm(dim=-1), raw)
+
+
+# -- the in-encoder adapter (eq. 2') -------------------------------------------------------------
+
+def _tiny_clip():
+    from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
+    torch.manual_seed(0)
+    cfg = CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                           num_attention_heads=4, image_size=8, patch_size=4, projection_dim=12)
+    return CLIPVisionModelWithProjection(cfg).eval()
+
+
+def _hidden(vm, x, n_blocks):
+    """The hidden states entering the first of the last ``n_blocks`` blocks."""
+    h = vm.pre_layrnorm(vm.embeddings(pixel_values=x))
+    for layer in vm.encoder.layers[: len(vm.encoder.layers) - n_blocks]:
+        h = layer(h, None)
+        h = h[0] if isinstance(h, tuple) else h
+    return h
+
+
+@pytest.mark.parametrize("n_blocks", [1, 2, 3])
+def test_encoder_adapter_without_sessions_is_clips_own_image_embedding(n_blocks):
+    m = _tiny_clip()
+    vm, layers = m.vision_model, m.vision_model.encoder.layers
+    x = torch.rand(5, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = torch.nn.functional.normalize(m(pixel_values=x).image_embeds, dim=-1)
+        ad = hdca.EncoderHDCA(layers[-n_blocks:], vm.post_layernorm, m.visual_projection, 2)
+        hm = hdca.block_inputs(layers[-n_blocks], _hidden(vm, x, n_blocks))
+        assert torch.allclose(ad(hm), ref, atol=1e-5)
+        ad.new_session()                                           # B = 0: still the identity
+        assert torch.allclose(ad(hm), ref, atol=1e-5)
+
+
+def test_encoder_adapter_is_a_compressed_branch_beside_the_last_mlp():
+    # one block: h'' = h' + MLP(LN2(h')) + R(LN2(h')) on the class token, then pooled and projected
+    m = _tiny_clip()
+    vm, layer = m.vision_model, m.vision_model.encoder.layers[-1]
+    x = torch.rand(4, 3, 8, 8, generator=torch.Generator().manual_seed(2))
+    ad = hdca.EncoderHDCA([layer], vm.post_layernorm, m.visual_projection, 2, True, 0.5, 0.25)
+    ad.new_session()
+    with torch.no_grad():
+        ad.sites[0].adapters[0].B.normal_(0, 3.0)
+        h = _hidden(vm, x, 1)
+        hm = hdca.block_inputs(layer, h)
+        out, mid = hm[:, 0, 0], hm[:, 0, 1]
+        r = hdca.compress(hdca.compress(ad.sites[0].adapters[0](mid), 0.5), 0.25)
+        want = torch.nn.functional.normalize(m.visual_projection(vm.post_layernorm(out + r)), dim=-1)
+        assert torch.allclose(ad(hm), want, atol=1e-5)
+        assert torch.allclose(ad.displacement(hm)[:, 0], r, atol=1e-6)
+        assert (ad.displacement(hm).norm(dim=-1) <= 2.0 + 1e-5).all()   # 1 / sqrt(0.25)
+
+
+def test_encoder_adapter_state_is_the_factors_of_each_site_and_session():
+    m = _tiny_clip()
+    vm, layers = m.vision_model, m.vision_model.encoder.layers
+    ad = hdca.EncoderHDCA(layers[-2:], vm.post_layernorm, m.visual_projection, 3, True, 1.0, 1.0)
+    ad.new_session()
+    ad.new_session()
+    keys = set(ad.state_dict())
+    assert keys == {f"sites.{i}.adapters.{s}.{p}" for i in (0, 1) for s in (0, 1) for p in "AB"}
+    assert len(ad.trainable()) == 4                                # the newest session's A, B x 2
+    hm = hdca.block_inputs(layers[-2], _hidden(vm, torch.rand(3, 3, 8, 8), 2)).detach()
+    assert [u.shape for u in ad.residuals(hm)] == [(3, 2, 16)] * 2

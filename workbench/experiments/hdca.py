@@ -9,9 +9,15 @@ What the notebook drives around the method (:mod:`workbench.methods.hdca`):
 - training and evaluation over the sessions: Adam on the current session's adapter factors
   (:func:`train_session`), accuracy and PyCIL's metrics (:func:`accuracy`, :func:`cil_metrics`),
   one class-incremental run with an optional replay buffer (:func:`run_sessions`);
-- the comparison: zero-shot CLIP, sequential fine-tuning, the replay adapter, HDCA and the
-  compression ablation (:data:`ABLATION`) from one seeded initialisation (:func:`new_adapter`,
-  :func:`compare_methods`), and the curvature sweep (:func:`curvature_sweep`);
+- the two adapter sites (:data:`VARIANTS`): inside the image encoder, a branch beside the MLP
+  of its last blocks (the paper's placement; :func:`encoder_inputs` computes the frozen part
+  once), or on the frozen output embedding (the earlier variant, kept);
+- the comparison: zero-shot CLIP, sequential fine-tuning, LwF (Li & Hoiem 2016, the exemplar-free
+  method CLIP class-incremental papers tabulate), the replay adapter (a reference: it stores
+  exemplars), HDCA and the compression ablation (:data:`ABLATION`) from one seeded initialisation
+  (:func:`new_adapter`, :func:`compare_methods`, :func:`ablation_runs`), the curvature sweep
+  (:func:`curvature_sweep`), and paired bootstrap intervals of HDCA's gains over the same test
+  images (:func:`item_scores`, :func:`paired_gains`);
 - the diagnostics of C1 and C2: the trained per-task residuals scaled up and compressed
   (:func:`residual_growth`), and the Poincare head's ranking against the cosine head's on the
   adapted features with the heads' slope ratios (:func:`ranking_agreement`,
@@ -24,23 +30,32 @@ each session), last accuracy = the curve's last point, forgetting = mean over th
 """
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
 
 from ..data import images
-from ..methods.hdca import (HDCAAdapter, compress, cosine_logits, logit_slope,
-                            poincare_logits)
+from ..diagnostics import paired_bootstrap
+from ..methods.hdca import (EncoderHDCA, HDCAAdapter, block_inputs, compress, cosine_logits,
+                            logit_slope, poincare_logits)
 from ..models import clip
 
-__all__ = ["ABLATION", "METRICS", "session_splits", "family_bed", "train_session", "accuracy",
-           "cil_metrics", "run_sessions", "new_adapter", "compare_methods", "curvature_sweep",
-           "residual_growth", "ranking_agreement", "slope_ratios", "wins"]
+__all__ = ["ABLATION", "METRICS", "VARIANTS", "EXEMPLAR_FREE", "session_splits",
+           "encoder_inputs", "family_bed", "train_session", "accuracy", "cil_metrics",
+           "run_sessions", "curvatures", "new_adapter", "compare_methods", "ablation_runs",
+           "curvature_sweep", "item_scores", "paired_gains", "beats", "residual_growth",
+           "ranking_agreement", "slope_ratios"]
 
 # the C4 ablation: which compression stage is on (per-task c, cumulative c) as 0 / 1 factors
 ABLATION = {"none": (0, 0), "per-task": (1, 0), "cumulative": (0, 1), "both": (1, 1)}
 METRICS = ("avg_incremental", "last", "forgetting")     # PyCIL's three, as in every table
+# where the adapter sits: inside the image encoder (the paper's placement) or on its output
+VARIANTS = {"encoder": "in-encoder (branch beside the MLP of the last blocks)",
+            "output": "output embedding (after the frozen encoder)"}
+EXEMPLAR_FREE = ("zero-shot", "seq-ft", "lwf")          # C3's verdict; replay is a reference
 
 
 # -- the class-incremental bed ------------------------------------------------------------------
@@ -51,12 +66,30 @@ def session_splits(n_classes: int, n_sessions: int, seed: int) -> list[np.ndarra
     return np.array_split(order, n_sessions)
 
 
+def encoder_inputs(model, x, n_blocks: int) -> torch.Tensor:
+    """The frozen part of the image encoder, computed once: embeddings, pre-LayerNorm, the blocks
+    before the last ``n_blocks``, and the adapter-independent part of the first adapted one
+    (:func:`~workbench.methods.hdca.block_inputs`), (N, T, 2, d)."""
+    vm = model.vision_model
+    layers = vm.encoder.layers
+    x = torch.as_tensor(x, dtype=torch.float32, device=next(model.parameters()).device)
+    with torch.no_grad():
+        h = vm.pre_layrnorm(vm.embeddings(pixel_values=x))
+        for layer in layers[: len(layers) - n_blocks]:
+            h = layer(h, None)
+            h = h[0] if isinstance(h, tuple) else h        # transformers 4.x returned a tuple
+        hm = block_inputs(layers[len(layers) - n_blocks], h).cpu()
+    return hm[:, :1].contiguous() if n_blocks == 1 else hm  # one block: its class-token row only
+
+
 def family_bed(model, tok, family: str, seed: int, noise: float, digits_sessions: int,
-               shapes_classes: int, shapes_sessions: int, n_train: int, n_test: int) -> dict:
+               shapes_classes: int, shapes_sessions: int, n_train: int, n_test: int,
+               enc_blocks: int = 1) -> dict:
     """One family's bed: frozen CLIP features of noisy train and test images (``f_tr``, ``y_tr``,
-    ``f_te``, ``y_te``), class text features ``w``, class ``names`` and the session ``splits``.
-    Digits: CLIP's own split under fresh noise. Shapes: a seeded subset of the classes, rendered
-    with seeds CLIP never saw."""
+    ``f_te``, ``y_te``), the in-encoder adapter's inputs (``h_tr``, ``h_te``, see
+    :func:`encoder_inputs`) and frozen parts (``encoder``), class text features ``w``, class
+    ``names`` and the session ``splits``. Digits: CLIP's own split under fresh noise. Shapes: a
+    seeded subset of the classes, rendered with seeds CLIP never saw."""
     base = 1000 * (seed + 1)
     if family == "digits":
         names = list(images.DIGIT_NAMES)
@@ -72,9 +105,14 @@ def family_bed(model, tok, family: str, seed: int, noise: float, digits_sessions
         n_sessions = shapes_sessions
     xtr = images.add_noise(xtr, noise, base + 3)
     xte = images.add_noise(xte, noise, base + 4)
+    vm = model.vision_model
     with torch.no_grad():
         return {"f_tr": clip.image_features(model, xtr).cpu(), "y_tr": torch.as_tensor(ytr),
                 "f_te": clip.image_features(model, xte).cpu(), "y_te": torch.as_tensor(yte),
+                "h_tr": encoder_inputs(model, xtr, enc_blocks),
+                "h_te": encoder_inputs(model, xte, enc_blocks),
+                "encoder": (vm.encoder.layers[-enc_blocks:], vm.post_layernorm,
+                            model.visual_projection),
                 "w": clip.class_features(model, tok, names).cpu(), "names": names,
                 "splits": session_splits(len(names), n_sessions, seed)}
 
@@ -87,20 +125,34 @@ def _logits(z, w, head, scale, alpha, c_head):
     return poincare_logits(z, w, scale, alpha, c_head)
 
 
-def train_session(adapter: HDCAAdapter, f, y, w, head: str = "poincare", scale: float = 36.0,
+def _distill(student, teacher, T: float = 2.0):
+    """LwF's loss (Li & Hoiem 2016, eq. 3): T^2 KL(softmax(teacher / T) || softmax(student / T))
+    over the old classes' logits."""
+    return F.kl_div(F.log_softmax(student / T, -1), F.log_softmax(teacher / T, -1),
+                    log_target=True, reduction="batchmean") * T * T
+
+
+def train_session(adapter, f, y, w, head: str = "poincare", scale: float = 36.0,
                   steps: int = 100, lr: float = 1e-2, batch: int = 256, alpha: float = 1.0,
-                  c_head: float = 1.0, generator=None, log_every: int = 0) -> dict:
+                  c_head: float = 1.0, generator=None, log_every: int = 0, teacher=None,
+                  n_old: int = 0, lwf: float = 0.0) -> dict:
     """Adam on the current session's trainable factors, cross-entropy over the classes seen so
-    far (text features ``w``, (K, d)) on this session's features ``(f, y)`` (plus a replay
-    buffer's, for that baseline: the caller concatenates them). Returns the loss curve and, every
-    ``log_every`` steps, the mean raw and compressed norms of the current session's residual."""
-    params = adapter.trainable()
-    opt = torch.optim.Adam(params, lr=lr)
+    far (text features ``w``, (K, d)) on this session's inputs ``(f, y)`` (plus a replay
+    buffer's, for that baseline: the caller concatenates them); with a ``teacher`` (the adapter
+    as the session began) plus ``lwf`` times LwF's distillation on the first ``n_old`` classes.
+    Returns the loss curve and, every ``log_every`` steps, the mean raw and compressed norms of
+    the current session's residual."""
+    opt = torch.optim.Adam(adapter.trainable(), lr=lr)
     out = {"loss": [], "raw": [], "compressed": []}
     n = len(f)
     for step in range(steps):
         idx = torch.randperm(n, generator=generator)[:batch] if n > batch else slice(None)
-        loss = F.cross_entropy(_logits(adapter(f[idx]), w, head, scale, alpha, c_head), y[idx])
+        logits = _logits(adapter(f[idx]), w, head, scale, alpha, c_head)
+        loss = F.cross_entropy(logits, y[idx])
+        if teacher is not None and n_old:
+            with torch.no_grad():
+                old = _logits(teacher(f[idx]), w[:n_old], head, scale, alpha, c_head)
+            loss = loss + lwf * _distill(logits[:, :n_old], old)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -113,12 +165,18 @@ def train_session(adapter: HDCAAdapter, f, y, w, head: str = "poincare", scale: 
     return out
 
 
-def accuracy(adapter, f, y, w, head="cosine", scale=36.0, alpha=1.0, c_head=1.0) -> float:
-    """Top-1 accuracy of the head on the (adapted, unless ``adapter`` is None) features."""
+def _predict(adapter, f, w, head="cosine", scale=36.0, alpha=1.0, c_head=1.0):
+    """The head's class index for every input (adapted, unless ``adapter`` is None)."""
     with torch.no_grad():
         z = adapter(f) if adapter is not None else f
-        pred = _logits(z, w, head, scale, alpha, c_head).argmax(-1)
-    return float((pred == y).float().mean()) if len(y) else float("nan")
+        return _logits(z, w, head, scale, alpha, c_head).argmax(-1)
+
+
+def accuracy(adapter, f, y, w, head="cosine", scale=36.0, alpha=1.0, c_head=1.0) -> float:
+    """Top-1 accuracy of the head on the (adapted, unless ``adapter`` is None) inputs."""
+    if not len(y):
+        return float("nan")
+    return float((_predict(adapter, f, w, head, scale, alpha, c_head) == y).float().mean())
 
 
 def cil_metrics(acc_table: np.ndarray, curve) -> dict:
@@ -132,8 +190,8 @@ def cil_metrics(acc_table: np.ndarray, curve) -> dict:
             "forgetting": float(np.mean(forg)) if forg else 0.0}
 
 
-def _displacement(adapter: HDCAAdapter, f_te, t: int) -> dict:
-    """Mean norms on the test features after session ``t``: the newest raw and compressed
+def _displacement(adapter, f_te, t: int) -> dict:
+    """Mean norms on the test inputs after session ``t``: the newest raw and compressed
     residual, the raw sum and the (compressed) total displacement."""
     with torch.no_grad():
         us = adapter.residuals(f_te)
@@ -144,129 +202,191 @@ def _displacement(adapter: HDCAAdapter, f_te, t: int) -> dict:
                 "cumulative": float(adapter.displacement(f_te).norm(dim=-1).mean())}
 
 
-def run_sessions(f_tr, y_tr, f_te, y_te, w, splits, adapter: HDCAAdapter | None,
-                 head: str, scale: float, steps: int, lr: float, replay_per_class: int = 0,
-                 alpha: float = 1.0, c_head: float = 1.0, seed: int = 0,
-                 log_every: int = 0) -> dict:
+def _teacher(adapter):
+    """A frozen copy of the adapter as the session begins (LwF's old model)."""
+    t = copy.deepcopy(adapter)
+    for p in t.parameters():
+        p.requires_grad_(False)
+    return t
+
+
+def run_sessions(f_tr, y_tr, f_te, y_te, w, splits, adapter, head: str, scale: float,
+                 steps: int, lr: float, replay_per_class: int = 0, alpha: float = 1.0,
+                 c_head: float = 1.0, seed: int = 0, log_every: int = 0,
+                 lwf: float = 0.0) -> dict:
     """One class-incremental run: for each session, add its classes, train (unless zero-shot),
     evaluate on the test images of every class seen so far. ``replay_per_class`` > 0 keeps that
-    many random training features per old class in a buffer (the replay baseline; HDCA keeps
-    none). Returns the accuracy table, curve, PyCIL metrics and per-session displacement norms."""
+    many random training inputs per old class in a buffer (the replay baseline; HDCA keeps
+    none); ``lwf`` > 0 adds LwF's distillation from the adapter as each session began. Returns
+    the accuracy table, curve, PyCIL metrics, per-image correctness ``correct[t, i]`` (NaN before
+    image i's class is seen) and per-session displacement norms."""
     g = torch.Generator().manual_seed(seed)
     T = len(splits)
-    table = np.full((T, T), np.nan)
-    curve, disp, logs = [], [], []
-    seen: list[int] = []
+    table, correct = np.full((T, T), np.nan), np.full((T, len(y_te)), np.nan)
+    curve, disp, logs, seen = [], [], [], []
     buffer: list[torch.Tensor] = []
     for t, cls in enumerate(splits):
+        n_old = len(seen)
         seen += [int(k) for k in cls]
         remap = {k: i for i, k in enumerate(seen)}      # labels index the seen classes' heads
-        ws = w[seen]
         tr = torch.as_tensor(np.isin(y_tr.numpy(), cls))
         f_t, y_t = f_tr[tr], y_tr[tr]
         if adapter is not None:
+            teacher = _teacher(adapter) if lwf and n_old else None
             adapter.new_session()
             if buffer:
                 idx = torch.cat(buffer)
                 f_t, y_t = torch.cat([f_t, f_tr[idx]]), torch.cat([y_t, y_tr[idx]])
             y_loc = torch.as_tensor([remap[int(k)] for k in y_t])
-            logs.append(train_session(adapter, f_t, y_loc, ws, head, scale, steps, lr,
+            logs.append(train_session(adapter, f_t, y_loc, w[seen], head, scale, steps, lr,
                                       alpha=alpha, c_head=c_head, generator=g,
-                                      log_every=log_every))
-            if replay_per_class:
-                for k in cls:
-                    members = torch.nonzero(y_tr == int(k)).flatten()
-                    pick = torch.randperm(len(members), generator=g)[:replay_per_class]
-                    buffer.append(members[pick])
-        te = torch.as_tensor(np.isin(y_te.numpy(), seen))
+                                      log_every=log_every, teacher=teacher, n_old=n_old,
+                                      lwf=lwf))
+            for k in cls if replay_per_class else ():
+                members = torch.nonzero(y_tr == int(k)).flatten()
+                buffer.append(members[torch.randperm(len(members), generator=g)[:replay_per_class]])
+        te = np.isin(y_te.numpy(), seen)
         y_loc_te = torch.as_tensor([remap[int(k)] for k in y_te[te]])
-        curve.append(accuracy(adapter, f_te[te], y_loc_te, ws, head, scale, alpha, c_head))
+        pred = _predict(adapter, f_te[torch.as_tensor(te)], w[seen], head, scale, alpha, c_head)
+        correct[t, te] = (pred == y_loc_te).double().numpy()
+        curve.append(float(np.mean(correct[t, te])))
         for k, old in enumerate(splits[: t + 1]):
-            m = torch.as_tensor(np.isin(y_te.numpy(), old))
-            yk = torch.as_tensor([remap[int(j)] for j in y_te[m]])
-            table[k, t] = accuracy(adapter, f_te[m], yk, ws, head, scale, alpha, c_head)
+            table[k, t] = float(np.mean(correct[t, np.isin(y_te.numpy(), old)]))
         if adapter is not None:
             disp.append(_displacement(adapter, f_te, t))
-    return {"table": table, "curve": curve, **cil_metrics(table, curve), "displacement": disp,
-            "logs": logs}
+    return {"table": table, "curve": curve, **cil_metrics(table, curve), "correct": correct,
+            "displacement": disp, "logs": logs}
 
 
 # -- the comparison -----------------------------------------------------------------------------
 
-def new_adapter(dim: int, rank: int, seed: int, per_session: bool = True, c_task: float = 0.0,
-                c_cum: float = 0.0) -> HDCAAdapter:
-    """An adapter whose factors start from the same seeded initialisation as every other one
-    (torch's global generator is seeded with ``seed`` first)."""
+def curvatures(S: dict, variant: str, c_task: float | None = None,
+               c_cum: float | None = None) -> tuple[float, float]:
+    """The stages' curvatures at a site. ``S``'s are for unit output features (bound 1 / sqrt c);
+    inside the encoder the residual stream's tokens have norm ~``enc_norm``, so the curvature is
+    divided by its square and the bound is the same fraction of a token."""
+    ct = S["c_task"] if c_task is None else c_task
+    cc = S["c_cum"] if c_cum is None else c_cum
+    k = S["enc_norm"] ** 2 if variant == "encoder" else 1.0
+    return ct / k, cc / k
+
+
+def new_adapter(bed: dict, variant: str, rank: int, seed: int, per_session: bool = True,
+                c_task: float = 0.0, c_cum: float = 0.0):
+    """An adapter at the ``variant``'s site whose factors start from the same seeded
+    initialisation as every other one (torch's global generator is seeded with ``seed``)."""
     torch.manual_seed(seed)
-    return HDCAAdapter(dim, rank, per_session, c_task, c_cum)
+    if variant == "encoder":
+        return EncoderHDCA(*bed["encoder"], rank, per_session, c_task, c_cum)
+    return HDCAAdapter(bed["w"].shape[1], rank, per_session, c_task, c_cum)
 
 
-def _session_run(bed: dict, adapter, head: str, S: dict, scale: float, seed: int,
-                 replay: int = 0, log_every: int = 0) -> dict:
-    return run_sessions(bed["f_tr"], bed["y_tr"], bed["f_te"], bed["y_te"], bed["w"],
+def _session_run(bed: dict, variant: str, adapter, head: str, S: dict, scale: float, seed: int,
+                 replay: int = 0, log_every: int = 0, lwf: float = 0.0) -> dict:
+    key = "h" if variant == "encoder" and adapter is not None else "f"
+    return run_sessions(bed[f"{key}_tr"], bed["y_tr"], bed[f"{key}_te"], bed["y_te"], bed["w"],
                         bed["splits"], adapter, head, scale, S["steps"], S["lr"],
                         replay_per_class=replay, alpha=S["alpha"], c_head=S["c_head"], seed=seed,
-                        log_every=log_every)
+                        log_every=log_every, lwf=lwf)
 
 
-def compare_methods(bed: dict, S: dict, scale: float, seed: int) -> tuple[dict, dict, HDCAAdapter]:
-    """On one family's bed: the baselines (zero-shot CLIP, sequential fine-tuning, the replay
-    adapter, all with the cosine head), HDCA (both stages, Poincare head) and the ablation
-    (``ABLATION`` stage x head; its ``both``/``poincare`` cell is HDCA's run). ``S`` holds
-    ``steps, lr, rank, alpha, c_head, c_task, c_cum, replay_per_class``. Returns the runs by
-    method, the ablation runs by ``(stage, head)`` and HDCA's trained adapter."""
-    dim = bed["w"].shape[1]
-    res = {"zero-shot": _session_run(bed, None, "cosine", S, scale, seed),
-           "seq-ft": _session_run(bed, new_adapter(dim, S["rank"], seed, False), "cosine", S,
-                                  scale, seed),
-           "replay": _session_run(bed, new_adapter(dim, S["rank"], seed, False), "cosine", S,
-                                  scale, seed, replay=S["replay_per_class"])}
-    hdca_adapter = new_adapter(dim, S["rank"], seed, True, S["c_task"], S["c_cum"])
-    res["hdca"] = _session_run(bed, hdca_adapter, "poincare", S, scale, seed, log_every=10)
+def compare_methods(bed: dict, S: dict, scale: float, seed: int, variant: str = "encoder"):
+    """On one family's bed, adapters at the ``variant``'s site: the baselines (zero-shot CLIP,
+    sequential fine-tuning, LwF and the replay adapter, all cosine head) and HDCA (both stages,
+    Poincare head). ``S`` holds ``steps, lr, rank, alpha, c_head, c_task, c_cum, enc_norm,
+    replay_per_class, lwf``. Returns the runs by method and HDCA's trained adapter."""
+    def plain():
+        return new_adapter(bed, variant, S["rank"], seed, False)
+    res = {"zero-shot": _session_run(bed, variant, None, "cosine", S, scale, seed),
+           "seq-ft": _session_run(bed, variant, plain(), "cosine", S, scale, seed),
+           "lwf": _session_run(bed, variant, plain(), "cosine", S, scale, seed, lwf=S["lwf"]),
+           "replay": _session_run(bed, variant, plain(), "cosine", S, scale, seed,
+                                  replay=S["replay_per_class"])}
+    ad = new_adapter(bed, variant, S["rank"], seed, True, *curvatures(S, variant))
+    res["hdca"] = _session_run(bed, variant, ad, "poincare", S, scale, seed, log_every=10)
+    return res, ad
+
+
+def ablation_runs(bed: dict, S: dict, scale: float, seed: int, hdca_run: dict,
+                  variant: str = "encoder") -> dict:
+    """C4's ablation (``ABLATION`` stage x head) at the ``variant``'s site, by ``(stage, head)``;
+    its ``both``/``poincare`` cell is HDCA's run ``hdca_run``."""
+    ct, cc = curvatures(S, variant)
     abl = {}
     for stage, (a, b) in ABLATION.items():
         for head in ("cosine", "poincare"):
             if stage == "both" and head == "poincare":
-                abl[stage, head] = res["hdca"]
+                abl[stage, head] = hdca_run
                 continue
-            ad = new_adapter(dim, S["rank"], seed, True, a * S["c_task"], b * S["c_cum"])
-            abl[stage, head] = _session_run(bed, ad, head, S, scale, seed)
-    return res, abl, hdca_adapter
+            ad = new_adapter(bed, variant, S["rank"], seed, True, a * ct, b * cc)
+            abl[stage, head] = _session_run(bed, variant, ad, head, S, scale, seed)
+    return abl
 
 
-def curvature_sweep(bed: dict, S: dict, scale: float, seed: int, curvatures) -> pd.DataFrame:
-    """HDCA (both stages at ``c_task = c_cum = c``, Poincare head) for each ``c``: PyCIL's
-    metrics, one row per curvature."""
+def curvature_sweep(bed: dict, S: dict, scale: float, seed: int, cs, variant: str = "encoder",
+                    done: dict | None = None) -> pd.DataFrame:
+    """HDCA (both stages at ``c_task = c_cum = c``, in :func:`curvatures`' units, Poincare head)
+    for each ``c``: PyCIL's metrics, one row per curvature. ``done``: runs already made, by c."""
     sweep = {}
-    for c in curvatures:
-        r = _session_run(bed, new_adapter(bed["w"].shape[1], S["rank"], seed, True, c, c),
-                         "poincare", S, scale, seed)
+    for c in cs:
+        r = (done or {}).get(c)
+        if r is None:
+            ad = new_adapter(bed, variant, S["rank"], seed, True, *curvatures(S, variant, c, c))
+            r = _session_run(bed, variant, ad, "poincare", S, scale, seed)
         sweep[c] = {k: r[k] for k in METRICS}
     sweep = pd.DataFrame(sweep).T
     sweep.index.name = "c"
     return sweep
 
 
-def wins(res: dict, baselines) -> dict:
-    """Per baseline, whether HDCA beats it on each PyCIL metric (higher accuracies, lower
-    forgetting)."""
-    h = res["hdca"]
-    return {b: {"avg": h["avg_incremental"] > res[b]["avg_incremental"],
-                "last": h["last"] > res[b]["last"],
-                "forgetting": h["forgetting"] < res[b]["forgetting"]} for b in baselines}
+def item_scores(run: dict) -> dict:
+    """Per test image, scores whose mean is each PyCIL metric (higher is better): ``avg``:
+    sum_t correct[t, i] / (T n_t) * N over the sessions that saw i's class (n_t images seen);
+    ``last``: correct[T - 1, i]; ``retention``: minus forgetting, i's task k < T - 1 scoring
+    (correct[T - 1, i] - correct[t*_k, i]) N / ((T - 1) n_k) with t*_k the task's best session
+    as measured, 0 in the last task."""
+    c, table = run["correct"], run["table"]
+    T, N = c.shape
+    seen = ~np.isnan(c)
+    avg = np.nansum(c / seen.sum(1, keepdims=True), 0) * N / T
+    first = seen.argmax(0)                           # the session that brought i's class
+    ret = np.zeros(N)
+    for k in range(T - 1):
+        m = first == k
+        if not m.any():
+            continue
+        best = k + int(np.nanargmax(table[k, k:]))
+        ret[m] = (c[T - 1, m] - c[best, m]) * N / ((T - 1) * m.sum())
+    return {"avg": avg, "last": c[T - 1], "retention": ret}
+
+
+def beats(gains: dict) -> dict:
+    """Per baseline and metric of :func:`paired_gains`, whether the interval lies above 0."""
+    return {b: {m: bool(g["low"] > 0) for m, g in per.items()} for b, per in gains.items()}
+
+
+def paired_gains(res: dict, baselines, method: str = "hdca", seed: int = 0) -> dict:
+    """Per baseline and metric, :func:`~workbench.diagnostics.paired_bootstrap` of ``method``'s
+    per-image scores minus the baseline's on the same test images (``low > 0``: it wins)."""
+    a = item_scores(res[method])
+    out = {}
+    for b in baselines:
+        s = item_scores(res[b])
+        out[b] = {m: paired_bootstrap(a[m], s[m], seed=seed) for m in a}
+    return out
 
 
 # -- diagnostics (C1, C2) -----------------------------------------------------------------------
 
-def residual_growth(adapter: HDCAAdapter, f, ks) -> tuple[pd.DataFrame, float]:
-    """Every trained per-task residual ``u_s(f)`` scaled by ``k`` (``B_s -> k B_s``) and
-    compressed with the adapter's per-task curvature: one row per (session, k) with the mean raw
-    and compressed norms; and the smallest cosine between ``kappa(u)`` and ``u`` (the direction
-    kept)."""
+def residual_growth(adapter, f, ks) -> tuple[pd.DataFrame, float]:
+    """Every trained per-task residual ``u_s`` on the inputs ``f`` scaled by ``k`` (``B_s -> k
+    B_s``) and compressed with the adapter's per-task curvature: one row per (session, k) with
+    the mean raw and compressed norms; and the smallest cosine between ``kappa(u)`` and ``u``
+    (the direction kept)."""
     grow, cos_min = [], 1.0
     with torch.no_grad():
-        for s, a in enumerate(adapter.adapters):
-            u0 = a(f).double()
+        for s, u0 in enumerate(adapter.residuals(f)):
+            u0 = u0.double()
             for k in ks:
                 u = k * u0
                 kc = compress(u, adapter.c_task)
@@ -276,13 +396,10 @@ def residual_growth(adapter: HDCAAdapter, f, ks) -> tuple[pd.DataFrame, float]:
     return pd.DataFrame(grow), cos_min
 
 
-def ranking_agreement(adapter: HDCAAdapter, bed: dict, scale: float, alpha: float,
-                      c_head: float) -> dict:
-    """On the adapted test features, in float64: the share of images where the Poincare head's
+def ranking_agreement(z, w, scale: float, alpha: float, c_head: float) -> dict:
+    """On adapted features ``z``, in float64: the share of images where the Poincare head's
     argmax, and its full class order, equal the cosine head's."""
-    with torch.no_grad():
-        z = adapter(bed["f_te"]).double()
-    w = bed["w"].double()
+    z, w = z.detach().double(), w.double()
     lc = cosine_logits(z, w, scale)
     lp = poincare_logits(z, w, scale, alpha, c_head)
     return {"argmax_agree": float((lc.argmax(-1) == lp.argmax(-1)).double().mean()),

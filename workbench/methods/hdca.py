@@ -13,13 +13,17 @@ the Poincare ball's exponential map at the origin (REFERENCES.md, geoopt ``expma
 direction of u is kept, its magnitude r becomes rho_c(r) = tanh(sqrt(c) r) / sqrt(c), which is
 ~r for small r (rho_c(r) / r -> 1 as r -> 0), concave, increasing and bounded by 1 / sqrt(c).
 
-Hyperbolic low-rank adapter (per task). Session t adds a low-rank residual u_t(f) = B_t A_t f on
-the frozen, L2-normalised CLIP image feature f; earlier sessions' factors are frozen. Its
-displacement is compressed per task, and the sum over sessions once more (cumulative stage):
+Hyperbolic low-rank adapter (per task). Session t adds a low-rank residual u_t(x) = B_t A_t x at
+its site; earlier sessions' factors are frozen. Its displacement is compressed per task, and the
+sum over sessions once more (cumulative stage), :class:`ResidualStack`:
 
-    R_t(f) = kappa_C( sum_{s <= t} kappa_c(u_s(f)) ),     z(f) = (f + R_t(f)) / ||f + R_t(f)||  (2)
+    R_t(x) = kappa_C( sum_{s <= t} kappa_c(u_s(x)) )                                        (2)
 
-The ablation (C4) switches either kappa off (the identity in its place).
+Two sites. Inside the image encoder, the paper's placement (:class:`EncoderHDCA`): a branch
+beside the MLP of each of the last ViT blocks, h'' = h' + MLP(LN2(h')) + R_t(LN2(h')) (eq. 2').
+On the frozen, L2-normalised output embedding f, the variant kept (:class:`HDCAAdapter`):
+z(f) = (f + R_t(f)) / ||f + R_t(f)||. The ablation (C4) switches either kappa off (the identity
+in its place).
 
 Poincare distance classifier (parameter-free). Image and class text features, both unit vectors,
 are mapped to the ball at one radius by x = expmap0(alpha z), and the logit of class k is
@@ -45,7 +49,7 @@ from torch import nn
 
 __all__ = ["compress", "compression_ratio", "mobius_add", "poincare_distance", "to_ball",
            "poincare_tau", "cosine_logits", "poincare_logits", "logit_slope", "LowRankAdapter",
-           "HDCAAdapter"]
+           "ResidualStack", "HDCAAdapter", "attend", "block_inputs", "EncoderHDCA"]
 
 _EPS = 1e-15
 
@@ -145,8 +149,9 @@ class LowRankAdapter(nn.Module):
         return f @ self.A.T @ self.B.T
 
 
-class HDCAAdapter(nn.Module):
-    """The adapted image feature z(f) of eq. 2 over sessions.
+class ResidualStack(nn.Module):
+    """R_t(x) of eq. 2 at one site: the per-session low-rank residuals u_s(x) = B_s A_s x,
+    each compressed (c_task), their sum compressed once more (c_cum).
 
     ``per_session``: a new low-rank adapter per session, earlier ones frozen (HDCA and its
     ablation); False: one adapter trained on through every session (sequential fine-tuning).
@@ -169,7 +174,7 @@ class HDCAAdapter(nn.Module):
             self.adapters.append(LowRankAdapter(self.dim, self.rank))
 
     def residuals(self, f) -> list[torch.Tensor]:
-        """The raw per-task residuals u_s(f), one (N, d) tensor per session."""
+        """The raw per-task residuals u_s(f), one (..., d) tensor per session."""
         return [a(f) for a in self.adapters]
 
     def displacement(self, f) -> torch.Tensor:
@@ -179,8 +184,99 @@ class HDCAAdapter(nn.Module):
         total = sum(compress(u, self.c_task) for u in self.residuals(f))
         return compress(total, self.c_cum)
 
+    def trainable(self):
+        return [p for p in self.parameters() if p.requires_grad]
+
+
+class HDCAAdapter(ResidualStack):
+    """The output-embedding variant of eq. 2: z(f) = normalize(f + R_t(f)) on the frozen,
+    normalised CLIP image feature f (one site, after the encoder)."""
+
     def forward(self, f):
         return F.normalize(f + self.displacement(f), dim=-1)
+
+
+def attend(attn: nn.Module, q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Multi-head self-attention of a ``transformers`` ``CLIPAttention`` with queries from the
+    tokens ``q`` (N, Tq, d) and keys and values from all tokens ``x`` (N, T, d): softmax(Q K^T /
+    sqrt(d_head)) V, then the output projection. ``q = x`` is the layer's own attention; ``q =
+    x[:, :1]`` is its class-token row, all the last block's pooled output reads."""
+    n, tq, d = q.shape
+    o = F.scaled_dot_product_attention(_heads(attn.q_proj(q), attn), _heads(attn.k_proj(x), attn),
+                                       _heads(attn.v_proj(x), attn), scale=attn.scale)
+    return attn.out_proj(o.transpose(1, 2).reshape(n, tq, d))
+
+
+def _heads(t: torch.Tensor, attn: nn.Module) -> torch.Tensor:
+    """(N, T, d) -> (N, heads, T, d_head)."""
+    return t.view(t.shape[0], t.shape[1], attn.num_heads, attn.head_dim).transpose(1, 2)
+
+
+def block_inputs(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The part of the first adapted block that no adapter changes (its branch sits beside the
+    MLP, eq. 2'), computed once: per token the block's frozen output h' + MLP(LN2(h')) and the
+    branch's input LN2(h'), stacked as (N, T, 2, d), the input of :class:`EncoderHDCA`."""
+    x = layer.layer_norm1(h)
+    h = h + attend(layer.self_attn, x, x)
+    m = layer.layer_norm2(h)
+    return torch.stack([h + layer.mlp(m), m], 2)
+
+
+class EncoderHDCA(nn.Module):
+    """The in-encoder variant (the paper's placement): a :class:`ResidualStack` branch parallel
+    to the MLP of each of the last vision blocks (AdaptFormer's placement, Chen et al. 2022),
+
+        h' = h + Attn(LN1(h)),    h'' = h' + MLP(LN2(h')) + R_t^(l)(LN2(h'))               (2')
+
+    then CLIP's pooled class token, post-LayerNorm and projection, normalised. The blocks, the
+    LayerNorm and the projection stay frozen and outside the state (``_frozen``), which holds only
+    the factors. Input: :func:`block_inputs` of the first adapted block, (N, T, 2, d)."""
+
+    def __init__(self, layers, post_ln, proj, rank: int = 8, per_session: bool = True,
+                 c_task: float = 0.0, c_cum: float = 0.0):
+        super().__init__()
+        dim = layers[0].layer_norm2.normalized_shape[0]
+        self.sites = nn.ModuleList(ResidualStack(dim, rank, per_session, c_task, c_cum)
+                                   for _ in layers)
+        self._frozen = (tuple(layers), post_ln, proj)      # a tuple: not registered, not saved
+        self.c_task, self.c_cum = c_task, c_cum
+
+    def new_session(self) -> None:
+        for s in self.sites:
+            s.new_session()
+
+    def _blocks(self, hm):
+        """Run the adapted blocks from :func:`block_inputs`; returns the class token and each
+        site's branch input on the class token (N, d). The last block computes only the class
+        token's row (all the pooled output reads)."""
+        layers = self._frozen[0]
+        if len(layers) == 1:
+            hm = hm[:, :1]                   # one block: only the class token's row is read
+        h, m = hm[:, :, 0], hm[:, :, 1]
+        h = h + self.sites[0].displacement(m)
+        mids = [m[:, 0]]
+        for i, (layer, site) in enumerate(zip(layers[1:], self.sites[1:]), 2):
+            x = layer.layer_norm1(h)
+            q = x[:, :1] if i == len(layers) else x
+            h = h[:, : q.shape[1]] + attend(layer.self_attn, q, x)
+            m = layer.layer_norm2(h)
+            h = h + layer.mlp(m) + site.displacement(m)            # eq. 2': the residual branch
+            mids.append(m[:, 0])
+        return h[:, 0], mids
+    def forward(self, h):
+        _, post_ln, proj = self._frozen
+        return F.normalize(proj(post_ln(self._blocks(h)[0])), dim=-1)
+
+    def residuals(self, h) -> list[torch.Tensor]:
+        """Per session, its raw residual at every site on the class token, (N, sites, d)."""
+        _, mids = self._blocks(h)
+        per_site = [s.residuals(m) for s, m in zip(self.sites, mids)]
+        return [torch.stack(us, 1) for us in zip(*per_site)]
+
+    def displacement(self, h) -> torch.Tensor:
+        """Each site's R_t on the class token, (N, sites, d)."""
+        _, mids = self._blocks(h)
+        return torch.stack([s.displacement(m) for s, m in zip(self.sites, mids)], 1)
 
     def trainable(self):
         return [p for p in self.parameters() if p.requires_grad]
