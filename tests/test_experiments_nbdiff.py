@@ -59,3 +59,53 @@ def test_one_vs_two_pass_agree_on_a_tiny_model(n_rows):
     assert (t.abs_diff < 1e-4 * t.two_pass.abs().clip(lower=1)).all()
     # the same seed draws the same noise: the comparison is reproducible
     assert xp.one_vs_two_pass(models, x0, start, 16, 4, 40, 0).equals(t)
+
+
+class LetterTok:
+    """Letters as tokens, with the interface decode_sample uses (0 pad, 1 bos, 2 eos)."""
+    bos_token_id, eos_token_id, pad_token_id = 1, 2, 0
+    names = ["<pad>", "<bos>", "<eos>"] + [chr(97 + i) for i in range(26)] + ["\u0120"] * 11
+
+    def __call__(self, text, add_special_tokens=False):
+        from types import SimpleNamespace
+        return SimpleNamespace(input_ids=[3 + ord(c) - 97 for c in text if c.isalpha()])
+
+    def convert_ids_to_tokens(self, ids):
+        return [self.names[i] if i < len(self.names) else "<mask>" for i in ids]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(t for t in self.convert_ids_to_tokens(ids) if not t.startswith("<"))
+
+
+@pytest.mark.parametrize("size,per_pass", [(1, 1), (4, 1), (4, 4), (3, 3)])
+def test_decode_sample_says_which_pass_wrote_each_token(size, per_pass):
+    from workbench.data import tasks
+    from workbench.methods import nbdiff as nd
+    model, tok, gen_len = tiny(41), LetterTok(), 8
+    ex = tasks.generate("reverse", 1, 0)[0]
+    s = xp.decode_sample(model, tok, ex, gen_len, size, per_pass, mask_id=40)
+    out, passes = nd.decode(model, xp.prompt_ids(tok, [ex]), gen_len, size, per_pass, 40, True, 0)
+    assert s["output"] == tok.convert_ids_to_tokens(out[0].tolist())      # the recorder is inert
+    assert s["passes"] == passes and max(s["written_in_pass"]) == passes
+    assert s["prompt"][0] == "<bos>" and s["target"] == ex.target
+    blocks = [s["written_in_pass"][b:b + size] for b in range(0, gen_len, size)]
+    if per_pass == size:                                  # a whole block in one pass
+        assert blocks == [[k + 1] * len(b) for k, b in enumerate(blocks)]
+    else:                                                 # one token a pass, block after block
+        assert sorted(s["written_in_pass"]) == list(range(1, gen_len + 1))
+        assert all(max(a) < min(b) for a, b in zip(blocks, blocks[1:]))
+
+
+def test_sample_figure_draws_the_block_mask_over_prompt_and_output():
+    import matplotlib.pyplot as plt
+    sample = {"prompt": ["<bos>", "a", "\u0120->"], "output": ["b", "a", "<eos>", "<pad>"],
+              "written_in_pass": [1, 1, 2, 2], "completion": "ba", "target": "b a",
+              "correct": False, "passes": 2}
+    fig = xp.sample_figure(sample, 2, accuracy=0.25)
+    ax, strip = fig.axes
+    mask = ax.images[0].get_array()
+    assert mask.shape == (7, 7) and mask[3, 4] and not mask[4, 5]    # inside a block / the next
+    assert [t.get_text() for t in ax.get_xticklabels()][:3] == ["bos", "a", "_->"]
+    assert "2 forward passes" in ax.get_title() and "0.25" in ax.get_title()
+    assert "wrong" in strip.get_title()
+    plt.close(fig)

@@ -5,7 +5,8 @@ The mask checks of C1 (a table over block sizes and prompt offsets, and the 4D m
 zoo's Llama), the training data (task problems and corpus rows), the three adaptation paths of C3
 trained once per seed and cached (:func:`workbench.cache.build`), the one-pass vs two-pass loss
 of C2, task accuracy of a decoder, and the parallel-decoding grid of C4 against the AR model's
-``generate``.
+``generate``; for the explorer, one problem decoded with the pass that wrote each token, drawn
+under its block mask.
 """
 from __future__ import annotations
 
@@ -16,14 +17,14 @@ import pandas as pd
 import torch
 from transformers import AutoModelForCausalLM
 
-from .. import cache, evaluate
+from .. import cache, evaluate, plots
 from ..data import corpus, tasks
 from ..methods import nbdiff as nd
 from ..models import zoo
 
 __all__ = ["GROUP", "mask_table", "mask_reaches_model", "problems", "training_rows",
            "SETTINGS", "adapted", "adapt_all", "one_vs_two_pass", "prompt_ids", "accuracy",
-           "parallel_grid", "ar_baseline"]
+           "parallel_grid", "ar_baseline", "decode_sample", "sample_figure"]
 
 GROUP = "nbdiff"        # cache.folder("nbdiff"): the adapted models
 SETTINGS = ("n_corpus", "steps", "batch", "lr", "ar_weight", "final_block", "ctx")  # in the key
@@ -192,3 +193,65 @@ def ar_baseline(model, tok, examples, gen_len: int) -> tuple[float, float]:
     dt = time.time() - t0
     acc = float(np.mean([tasks.score(e, c.split("\n")[0]) for e, c in zip(examples, comps)]))
     return acc, len(examples) * gen_len / dt
+
+
+# -- the explorer: one problem decoded, under its mask ---------------------------------------------
+
+class _Passes(torch.nn.Module):
+    """``model`` as :func:`~workbench.methods.nbdiff.decode` calls it, keeping each pass's input."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.inputs = model, []
+
+    def forward(self, input_ids, **kw):
+        self.inputs.append(input_ids[0].detach().cpu().clone())   # decode fills x in place
+        return self.model(input_ids=input_ids, **kw)
+
+
+def decode_sample(model, tok, example, gen_len: int, size: int, per_pass: int,
+                  mask_id: int) -> dict:
+    """One problem decoded context-causally at block ``size``, ``per_pass`` tokens a pass: the
+    prompt's and the output's tokens, the pass (1, 2, ...) that wrote each output token, the
+    completion (first line), whether it scores and the number of passes."""
+    prompt = prompt_ids(tok, [example])
+    rec = _Passes(model)
+    out, passes = nd.decode(rec, prompt, gen_len, size, per_pass, mask_id, True, tok.pad_token_id)
+    L, written = len(prompt[0]), torch.zeros(gen_len, dtype=torch.long)
+    for k, x in enumerate(rec.inputs[1:], start=1):         # pass k's input shows passes < k+1
+        new = (x[L:] != mask_id) & (written[:len(x) - L] == 0)
+        written[:len(x) - L][new] = k
+    written[written == 0] = passes                          # the last pass's tokens
+    completion = tok.decode(out[0], skip_special_tokens=True).split("\n")[0]
+    return {"prompt": tok.convert_ids_to_tokens(prompt[0]), "output": tok.convert_ids_to_tokens(
+        out[0].tolist()), "written_in_pass": written.tolist(), "completion": completion,
+        "target": example.target, "correct": bool(tasks.score(example, completion)),
+        "passes": passes}
+
+
+def sample_figure(sample: dict, size: int, accuracy: float | None = None):
+    """The decoding mask at block ``size`` over the prompt and the output of
+    :func:`decode_sample` (dark: the query sees the key; lines: block edges), and the output
+    tokens coloured by the pass that wrote them (one colour a block when a block takes one pass)."""
+    toks = [t[1:-1] if t.startswith("<") and t.endswith(">") else t.replace("\u0120", "_")
+            for t in sample["prompt"] + sample["output"]]
+    L, n = len(sample["prompt"]), len(toks)
+    fig, (ax, strip) = plots.subplots(2, 1, figsize=(5.6, 6.4), height_ratios=[n, 2.5])
+    ax.imshow(nd.block_mask(nd.block_ids(n, size, L)).numpy(), cmap="Greys", vmin=0, vmax=1.3)
+    for b in range(L, n + 1, size):
+        ax.axvline(b - 0.5, color=plots.PALETTE[1], lw=0.6)
+        ax.axhline(b - 0.5, color=plots.PALETTE[1], lw=0.6)
+    ax.set_xticks(range(n), toks, rotation=90, fontsize=7)
+    ax.set_yticks(range(n), toks, fontsize=7)
+    acc = "" if accuracy is None else f"; accuracy on all problems {accuracy:.2f}"
+    ax.set(xlabel="key (prompt | output)", ylabel="query", title=f"block size {size}: "
+           f"{sample['passes']} forward passes{acc}")
+    strip.imshow([sample["written_in_pass"]], cmap="viridis", aspect="auto")
+    for i, (t, k) in enumerate(zip(toks[L:], sample["written_in_pass"])):
+        strip.text(i, 0, f"{t}\n{k}", ha="center", va="center", fontsize=7, color="w")
+    verdict = "right" if sample["correct"] else "wrong"
+    strip.set(yticks=[], xlabel="output position (token, the pass that wrote it)",
+              title=f"decoded {sample['completion'].strip()!r}, target {sample['target']!r}: {verdict}")
+    ax.grid(False)
+    strip.grid(False)
+    return fig
