@@ -111,3 +111,16 @@ def test_tiny_end_to_end_comparison():
                                            "control_p": 1e-9}]),
                             X.c3_means(X.metric_table(rows, 1.5))[0], {"stable": hills["stable"]})
     assert out["c4_stable_hill_12"] == hills["stable"][0] and "c3_htfm_sw" in out
+
+
+def test_transport_follows_each_source_to_its_sample():
+    ref = stable_mixture(2000, seed=1, alpha=1.5, spread=0.4)
+    ident = H.VelocityMLP(2, 0, hidden=4, depth=1)
+    for p in ident.parameters():
+        torch.nn.init.zeros_(p)                      # v = 0: every sample is its own source
+    table, pairs = X.transport({"student_t": ident}, H.methods_for(1.5), ref, 2000, 4, gen(6), "cpu")
+    r0, r1 = pairs["student_t"]
+    assert np.allclose(r0, r1, rtol=1e-5) and table.loc["student_t", "spearman"] > 0.999
+    assert table.loc["student_t", "top1_ratio"] == pytest.approx(1.0, rel=1e-5)
+    # t_1.5 sources: the top 1 % lie far beyond the mixture's 0.99 radius quantile
+    assert table.loc["student_t", "top1_beyond_r99"] > 0.9

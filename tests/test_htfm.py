@@ -89,6 +89,59 @@ def test_time_augmented_clock_area():
     assert torch.allclose(H.clock_features(paths), full, rtol=1e-10, atol=1e-12)
 
 
+def test_clock_features_are_the_truncated_log_signature_by_hand():
+    # the clock tau = (0, 0.5, 0.5, 2) on s = (0, 1/3, 2/3, 1). By hand, segment by segment:
+    # level 1 is (1, 2); the Levy area 1/2 int (s dtau - tau ds) = 1/2 (4/3 - 2/3) = 1/3, since
+    # int s dtau = 0.5 * 1/6 + 0 + 1.5 * 5/6 = 4/3 and int tau ds = (0.25 + 0.5 + 1.25) / 3 = 2/3
+    tau = torch.tensor([[0.0, 0.5, 0.5, 2.0]], dtype=torch.float64)
+    path = H.time_augmented(tau)
+    assert torch.allclose(H.log_signature(path), torch.tensor([[1.0, 2.0, 1 / 3]], dtype=torch.float64))
+    # the same from the signature, by Chen's identity on the segments' exponentials: level 2 is
+    # S2 = sum_{k<l} d_k (x) d_l + sum_k d_k (x) d_k / 2, and log S at level 2 is S2 - S1 (x) S1 / 2
+    d = path[0, 1:] - path[0, :-1]
+    s1 = d.sum(0)
+    s2 = sum(torch.outer(d[k], d[m]) for k in range(3) for m in range(k + 1, 3)) \
+        + sum(torch.outer(x, x) for x in d) / 2
+    log2 = s2 - torch.outer(s1, s1) / 2
+    assert torch.allclose(log2, -log2.T) and abs(log2[0, 1].item() - 1 / 3) < 1e-12
+    # phi, what the velocity field sees: (tau(1), area) without the constant time increment, asinh'd
+    phi = H.clock_features(tau)
+    assert torch.allclose(phi, torch.asinh(torch.tensor([[2.0, 1 / 3]], dtype=torch.float64)))
+    if H.esig is not None:
+        assert torch.allclose(H.log_signature(path, backend="esig"), H.log_signature(path))
+
+
+def test_the_velocity_field_sees_the_features_of_the_clock_that_made_its_source(monkeypatch):
+    # training and sampling pass phi(tau) of the very paths that scaled the source, so the field is
+    # conditioned on the realized clock (the abstract's "clock-conditioned vector field")
+    seen = []
+
+    class Spy(H.VelocityMLP):
+        def forward(self, x, t, cond=None):
+            seen.append((x.detach().clone(), cond))
+            return super().forward(x, t, cond)
+
+    made = []
+    real = H.sample_source
+
+    def spy_source(*a, **k):
+        made.append(real(*a, **k))
+        return made[-1]
+
+    monkeypatch.setattr(H, "sample_source", spy_source)
+    model = Spy(2, cond_dim=2, hidden=8, depth=1)
+    H.sample(model, H.Clock("stable", 1.5), 7, nfe=2, generator=gen(9))
+    x0, tau = made[0]
+    assert torch.allclose(seen[0][1], H.clock_features(tau).float())
+    assert torch.allclose(seen[1][1], seen[0][1]) and torch.allclose(seen[0][0], x0.float())
+    monkeypatch.setattr(H, "VelocityMLP", lambda *a, **k: Spy(*a, **k))
+    made.clear()
+    seen.clear()
+    H.train_fm(torch.randn(16, 2), H.methods_for(1.5)["htfm"], steps=1, batch=8, hidden=8,
+               depth=1, generator=gen(10))
+    assert torch.allclose(seen[0][1], H.clock_features(made[0][1]).float())
+
+
 # -- flow matching --------------------------------------------------------------------------------
 def test_fm_target_is_the_path_velocity():
     x0, x1 = torch.randn(5, 2), torch.randn(5, 2)

@@ -9,6 +9,7 @@ What the notebook drives, in its order:
   :func:`esig_error`), and its cost against one velocity-network forward (:func:`feature_cost`);
 - C3: the three flows trained on the same data and sampled on the same Euler grid
   (:func:`train_models`, :func:`evaluate_models`, :func:`c3_means`), scored by the metrics below;
+- C3's reading: where each model sends its largest sources (:func:`transport`);
 - C4: the trained HTFM network sampled from other clocks (:func:`tail_sweep`);
 - C5 (full scale only): imbalanced digits and heavy-tailed fields (:func:`run_c5`).
 
@@ -35,7 +36,8 @@ __all__ = ["NFE", "HILL_FRAC", "RADIUS", "C1_CLOCKS", "SWEEP", "wasserstein_1d",
            "high_quantiles", "quantile_error", "hill", "hill_curve", "time_per_call",
            "clock_name", "clock_ks_tests", "c1_summary", "polygon", "known_areas",
            "known_area_error", "esig_error", "feature_cost", "scatter", "train_models",
-           "evaluate_models", "metric_table", "c3_means", "tail_sweep", "run_c5", "c5_holds",
+           "evaluate_models", "metric_table", "c3_means", "transport", "tail_sweep", "run_c5",
+           "c5_holds",
            "summary_metrics"]
 
 NFE = (4, 8, 16)            # the Euler step grid every model is sampled on
@@ -294,6 +296,27 @@ def c3_means(table) -> tuple:
     wins = {"coverage": bool(mean.loc["htfm", "coverage"] >= mean.drop("htfm")["coverage"].max()),
             **{k: bool(mean.loc["htfm", k] < mean.drop("htfm")[k].min()) for k in METRICS[1:]}}
     return mean, wins
+
+
+def transport(models: dict, methods: dict, ref, n: int, nfe: int, generator: torch.Generator,
+              device) -> tuple:
+    """Where the largest sources go: per model, ``n`` sources of its training clock integrated in
+    ``nfe`` Euler steps; the Spearman correlation of source radius with sample radius, the share of
+    the top 1 % of sources (by radius) whose sample lands beyond the data's 0.99 radius quantile
+    (a source tail carried through), and their median radius ratio sample / source.
+    Returns ``(table, pairs)``, ``pairs[name] = (source radii, sample radii)``."""
+    r99 = np.quantile(np.linalg.norm(ref.x, axis=1), 0.99)
+    rows, pairs = {}, {}
+    for name, model in models.items():
+        x0, tau = H.sample_source(methods[name].clock, n, model.dim, generator=generator)
+        r0 = np.linalg.norm(x0.numpy(), axis=1)
+        r1 = np.linalg.norm(H.integrate(model, x0, tau, nfe, device).numpy(), axis=1)
+        top = r0 >= np.quantile(r0, 0.99)
+        rows[name] = {"spearman": float(stats.spearmanr(r0, r1).statistic),
+                      "top1_beyond_r99": float((r1[top] > r99).mean()),
+                      "top1_ratio": float(np.median(r1[top] / r0[top]))}
+        pairs[name] = (r0, r1)
+    return pd.DataFrame(rows).T, pairs
 
 
 # -- C4: tail control at sampling time ------------------------------------------------------------
