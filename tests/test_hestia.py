@@ -183,3 +183,91 @@ def test_directional_check_tells_consistent_from_straight_through():
     assert soft["rel_error"] < 1e-6
     # the hard forward moves only through gamma (and at boundary crossings): not the identity
     assert ste["rel_error"] > 0.1
+
+
+def _sym(eigs, seed):
+    """A symmetric float64 matrix with the given eigenvalues and a random eigenbasis."""
+    g = torch.Generator().manual_seed(seed)
+    q, _ = torch.linalg.qr(torch.randn(len(eigs), len(eigs), generator=g, dtype=torch.float64))
+    return q @ torch.diag(torch.as_tensor(eigs, dtype=torch.float64)) @ q.T
+
+
+def test_hutchpp_is_exact_on_a_matrix_whose_rank_fits_its_sketch():
+    eigs = [5.0, -2.0, 1.5, 0.7] + [0.0] * 56                     # rank 4, n = 60, indefinite
+    A = _sym(eigs, seed=0)
+    for k in (4, 6):                                                # sketch = rank, and wider
+        for s in range(3):
+            est = H.hutchpp(lambda X: A @ X, 60, num_sketch=k, num_query=5,
+                            generator=torch.Generator().manual_seed(s))
+            assert abs(est - sum(eigs)) < 1e-10
+    # a sketch as wide as the matrix returns the subspace trace alone, exact for any matrix
+    B = _sym(torch.linspace(1, 2, 10).tolist(), seed=1)
+    assert abs(H.hutchpp(lambda X: B @ X, 10, 12, 3, torch.Generator().manual_seed(0))
+               - float(torch.trace(B))) < 1e-10
+    # Hutchinson is not exact on the same rank-4 matrix
+    hut = H.hutchinson(lambda X: A @ X, 60, 16, torch.Generator().manual_seed(0))
+    assert abs(hut - sum(eigs)) > 1e-3
+
+
+def test_hutchpp_has_lower_variance_than_hutchinson_at_equal_matvecs():
+    A = _sym([1 / (i + 1) ** 2 for i in range(100)], seed=2)       # a decaying spectrum
+    exact = float(torch.trace(A))
+    hpp, hut = [], []
+    for s in range(300):
+        g = torch.Generator().manual_seed(s)
+        hpp.append(H.hutchpp(lambda X: A @ X, 100, 8, 8, g))        # 2 * 8 + 8 = 24 matvecs
+        hut.append(H.hutchinson(lambda X: A @ X, 100, 24, g))      # 24 matvecs
+    hpp, hut = torch.tensor(hpp), torch.tensor(hut)
+    assert abs(float(hpp.mean()) - exact) < 4 * float(hpp.std()) / math.sqrt(300)  # unbiased
+    assert float(hpp.var()) < 0.2 * float(hut.var())
+
+
+def test_trace_groups_follow_the_public_granularities():
+    names = [f"model.layers.{b}.{m}.weight" for b in (0, 1)
+             for m in ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj")]
+    assert list(H.trace_groups(names, "tensor").values()) == [[n] for n in names]
+    layer = H.trace_groups(names, "layer")
+    assert list(layer.values()) == [names[:3], names[3:]]          # q_proj first: it is estimated
+    comp = H.trace_groups(names, "component")
+    assert comp["q_proj"] == [names[0], names[3]] and len(comp) == 3
+    with pytest.raises(ValueError):
+        H.trace_groups(names, "block")
+
+
+def test_layer_granularity_shares_the_first_tensors_exact_trace():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=8, intermediate_size=12, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, vocab_size=20,
+                      max_position_embeddings=8)
+    model = LlamaForCausalLM(cfg).double().eval()
+    x = torch.randint(0, 20, (3, 8), generator=torch.Generator().manual_seed(1))
+    names = [n for n, _ in model.named_parameters() if "layers." in n and n.endswith("proj.weight")]
+    # a sketch as wide as q_proj (64 weights) makes Hutch++ exact: the reference value is tr(H_qq)
+    tr = H.hessian_traces(model, names, x, granularity="layer", num_sketch=64, num_query=0)
+    q0 = dict(model.named_parameters())["model.layers.0.self_attn.q_proj.weight"]
+
+    def loss_of(w):
+        return torch.func.functional_call(model, {"model.layers.0.self_attn.q_proj.weight": w},
+                                          kwargs={"input_ids": x, "labels": x}).loss
+    model.config._attn_implementation = "eager"
+    exact = float(torch.trace(torch.autograd.functional.hessian(loss_of, q0.detach()).reshape(64, 64)))
+    block0 = [n for n in names if ".layers.0." in n]
+    block1 = [n for n in names if ".layers.1." in n]
+    assert len(block0) == 7 and len({tr[n] for n in block0}) == 1   # one trace per block
+    assert abs(tr[block0[0]] - exact) < 1e-8 * max(1.0, abs(exact))
+    assert len({tr[n] for n in block1}) == 1 and tr[block1[0]] != tr[block0[0]]
+    per_tensor = H.hessian_traces(model, names, x, granularity="tensor", num_sketch=64,
+                                  num_query=0)
+    assert per_tensor[block0[0]] == tr[block0[0]] and len(set(per_tensor.values())) == len(names)
+
+
+def test_initial_temperature_is_the_public_codes_optimum():
+    t0 = H.optimal_init_temp()
+    assert abs(t0 - 0.35089) < 2e-4                                  # scipy's bounded Brent there
+    grid = torch.linspace(0.3, 0.4, 41, dtype=torch.float64)
+    z = torch.linspace(-10, 10, 8001, dtype=torch.float64)
+    pdf = torch.exp(-z ** 2 / math.pi) / math.pi                     # N(0, pi/2)
+    mse = [float(torch.trapezoid((H.soft_ternary_closed_form(z, float(t)) - z) ** 2 * pdf, z))
+           for t in grid]
+    assert abs(float(grid[int(torch.tensor(mse).argmin())]) - t0) <= 0.0026

@@ -18,17 +18,23 @@ normalization,
   consistent), and ``Q_T -> Q`` as ``T -> 0`` (each weight's softmax tends to the one-hot of its
   nearest codeword). The schedule anneals ``T`` to 0, so the trained network *is* the hard
   ternary network used at inference: no inference-time overhead.
-- **Hessian-aware schedules**: an offline Hutchinson estimate of each tensor's Hessian trace
-  ``chi_i = tr(H_i)`` (computed once on the full-precision model, before QAT) gives a per-tensor
-  sensitivity, and each tensor's temperature is scaled by it (:func:`temperature_scales`).
+- **Hessian-aware schedules**: an offline Hutch++ estimate (Meyer, Musco, Musco & Woodruff 2021)
+  of a Hessian trace ``chi_i = tr(H_i)`` (computed once on the full-precision model, before QAT)
+  gives a sensitivity, and each tensor's temperature is scaled by it (:func:`temperature_scales`).
+  Which tensors share one trace is the ``granularity`` (:func:`trace_groups`): ``"layer"`` (the
+  default of the public ``HessianTraceCalibrator.calibrate``) estimates the trace of the first
+  linear of each transformer block and gives it to every linear of that block.
 
 Conventions follow the public code (hestia2026/Hestia, ``src/hestia/thermo_quantizer.py``,
 ``thermo_scheduler.py``, ``hessian/calibrator.py``): per-tensor absmean scale that stays in the
 autograd graph of the soft path, softmax over ``-(x - c)^2 / T``, a *compress* phase in which the
 weight is interpolated from full precision to ``Q_T`` (``pressure`` 0 -> 1), then a cosine anneal of
 ``T`` to 0, and temperature scales ``exp(-alpha * sigmoid(kappa * z_i))`` from the z-score ``z_i``
-of ``log chi_i``. One deliberate difference: our schedule reaches ``T = 0`` exactly at the last
-training step (the public cosine stops one step short), so training ends on hard weights.
+of ``log chi_i``. Deliberate differences: our schedule reaches ``T = 0`` exactly at the last
+training step (the public cosine stops one step short), so training ends on hard weights; the
+calibration loss is the mean over one batch of blocks instead of the sum of ``num_batches``
+per-batch Hessian-vector products divided by their number (the same Hessian when the batches are
+equal halves of it); and "layer" groups are transformer blocks (see :func:`trace_groups`).
 
 Only the linear layers inside the transformer blocks (attention q/k/v/o and MLP gate/up/down) are
 ternary; token embeddings, the (tied) LM head and the RMSNorm gains stay in full precision, as is
@@ -44,18 +50,22 @@ import numpy as np
 import torch
 from torch import nn
 
+from scipy import integrate, optimize
+
 from ..diagnostics import hutchinson_trace
 from ..quant import absmean_ternary, block_linears
 from ..quant import ternary_ste as ste_ternary   # STE baseline: forward Q(W), identity grad
 
 __all__ = ["CODEBOOK", "MODES", "absmean_scale", "hard_ternary", "ternary_state", "ste_ternary",
            "soft_ternary", "soft_ternary_reference", "soft_ternary_closed_form",
-           "optimal_init_temp", "Schedule", "temperature_scales", "hessian_traces",
+           "optimal_init_temp", "Schedule", "temperature_scales", "GRANULARITIES",
+           "rademacher", "hutchpp", "hutchinson", "trace_groups", "hessian_traces",
            "TernaryLinear", "ternarize", "ternary_layers", "mode_as", "FlipCounter", "relaxed_gap",
            "directional_check", "QATConfig", "set_schedule", "qat"]
 
 CODEBOOK = (-1.0, 0.0, 1.0)
 MODES = ("fp", "ste", "hestia", "hard")
+GRANULARITIES = ("tensor", "layer", "component")
 
 
 # -- quantizers --------------------------------------------------------------------------------
@@ -131,23 +141,30 @@ def soft_ternary_reference(w: torch.Tensor, temp: float, eps: float = 1e-5) -> t
 
 def soft_ternary_closed_form(x: torch.Tensor, temp: float) -> torch.Tensor:
     """``sum_c c p_c(x)`` in the public code's closed form ``sinh(2x/T) / (cosh(2x/T) +
-    e^(1/T) / 2)`` (``opt_temp_initializer.py``); overflows for small T, fine for tests and
-    :func:`optimal_init_temp` (float64, T >= 0.1)."""
+    e^(1/T) / 2)`` (``opt_temp_initializer.py``, ``_soft_quant_func``); overflows for small T,
+    fine for tests (float64, T >= 0.1)."""
     v = 2 * x / temp
     return torch.sinh(v) / (torch.cosh(v) + 0.5 * math.exp(1 / temp))
 
 
 def optimal_init_temp(lo: float = 0.1, hi: float = 2.0) -> float:
-    """The initial temperature of the public code: the ``T`` minimising ``E[(Q_T(z) - z)^2]`` for
-    ``z ~ N(0, pi/2)`` (a Gaussian weight divided by its absmean has variance pi/2), found here by
-    a fine grid search with the trapezoid rule instead of scipy's bounded minimiser."""
-    z = torch.linspace(-10, 10, 4001, dtype=torch.float64)
-    var = math.pi / 2
-    pdf = torch.exp(-0.5 * z ** 2 / var) / math.sqrt(2 * math.pi * var)
-    temps = torch.linspace(lo, hi, 381, dtype=torch.float64)          # steps of 0.005
-    mse = torch.stack([torch.trapezoid((soft_ternary_closed_form(z, float(t)) - z) ** 2 * pdf, z)
-                       for t in temps])
-    return float(temps[int(mse.argmin())])
+    """The initial temperature of the public code (``opt_temp_initializer.py``,
+    ``OptimalTempInitializer.calculate``): the ``T`` in ``[lo, hi]`` minimising
+    ``E[(Q_T(z) - z)^2]`` for ``z ~ N(0, pi/2)`` (a Gaussian weight divided by its absmean has
+    variance pi/2), the expectation by adaptive quadrature over ``[-10, 10]`` and the minimum by
+    bounded Brent search, as there (``quad``, ``minimize_scalar(method="bounded")``): 0.3509."""
+    sd = math.sqrt(math.pi / 2)
+
+    def mse(temp: float) -> float:
+        def err2(z):                                       # squared error times the density
+            q = math.sinh(2 * z / temp) / (math.cosh(2 * z / temp) + 0.5 * math.exp(1 / temp))
+            return (q - z) ** 2 * math.exp(-0.5 * (z / sd) ** 2) / (sd * math.sqrt(2 * math.pi))
+        return integrate.quad(err2, -10, 10)[0]
+
+    res = optimize.minimize_scalar(mse, bounds=(lo, hi), method="bounded")
+    if not res.success:
+        raise RuntimeError(f"the initial temperature search failed: {res.message}")
+    return float(res.x)
 
 
 # -- schedules ---------------------------------------------------------------------------------
@@ -207,27 +224,124 @@ def temperature_scales(traces: dict[str, float], kappa: float = 1.0, alpha: floa
     return {k: math.exp(-alpha * s) for k, s in sens.items()}, sens
 
 
-# -- sensitivities -----------------------------------------------------------------------------
+# -- trace estimators -------------------------------------------------------------------------
 
-def hessian_traces(model, names: list[str], batches: torch.Tensor, n_samples: int = 16,
-                   seed: int = 0) -> dict[str, float]:
-    """Offline per-tensor sensitivities: Hutchinson ``tr(H_i)`` of the LM loss on ``batches`` for
-    each weight in ``names`` (``diagnostics.hutchinson_trace(per_tensor=True)``: joint probes
-    serve every tensor), on the full-precision model, once before
-    QAT (the public code uses Hutch++ per tensor; plain Hutchinson is what PyHessian does)."""
+def rademacher(n: int, k: int, generator: torch.Generator, dtype=torch.float64,
+               device=None) -> torch.Tensor:
+    """An ``(n, k)`` matrix of independent +-1 entries."""
+    return torch.randint(0, 2, (n, k), generator=generator, device=device).to(dtype) * 2 - 1
+
+
+def hutchpp(matvec, n: int, num_sketch: int, num_query: int,
+            generator: torch.Generator) -> float:
+    """Hutch++ (Meyer, Musco, Musco & Woodruff 2021, Algorithm 1) of a symmetric ``n x n`` operator
+    given by ``matvec(X) = A X`` on ``(n, k)`` float64 blocks; ``2 num_sketch + num_query`` matvecs.
+
+        S Rademacher (n x k),  Q = orth(A S),  G Rademacher (n x m),  P = I - Q Q^T
+        tr(A) ~ tr(Q^T A Q) + tr(G^T P A P G) / m
+
+    The exact trace of ``A`` on the sketched subspace plus a Hutchinson estimate of the rest, so
+    it is exact when ``rank A <= num_sketch``, and its variance falls much faster with the matvec
+    count than Hutchinson's when the spectrum decays. The phases follow the public
+    ``HutchPlusPlusState`` (``hessian/hutchpp.py``): the sketch is capped at ``n``, and a sketch
+    of ``n`` columns returns the subspace trace alone (then exact).
+    """
+    k = min(num_sketch, n)
+    Q, _ = torch.linalg.qr(matvec(rademacher(n, k, generator)))     # phase 1: range of A S
+    low = float((Q * matvec(Q)).sum())                               # phase 2: tr(Q^T A Q)
+    if k >= n or num_query <= 0:
+        return low
+    G = rademacher(n, num_query, generator)                          # phase 3: the residual
+    Z = matvec(G - Q @ (Q.T @ G))                                    # A P G
+    Z = Z - Q @ (Q.T @ Z)                                            # P A P G
+    return low + float((G * Z).sum()) / num_query
+
+
+def hutchinson(matvec, n: int, num: int, generator: torch.Generator) -> float:
+    """Hutchinson's estimate ``mean_j g_j^T A g_j`` over ``num`` Rademacher ``g_j`` (``num``
+    matvecs): the baseline Hutch++ improves on."""
+    G = rademacher(n, num, generator)
+    return float((G * matvec(G)).sum()) / num
+
+
+def trace_groups(names: list[str], granularity: str = "layer") -> dict[str, list[str]]:
+    """Which tensors share one trace, as the public ``HessianTraceCalibrator.calibrate`` groups
+    them: ``"tensor"`` one group per tensor; ``"layer"`` one per transformer block (the
+    ``layers.<i>`` in the name); ``"component"`` one per kind of linear (``q_proj`` of every block
+    together). Groups keep the order of ``names``; the *first* tensor of a group is the one whose
+    Hessian block is estimated, and its trace is given to every tensor of the group (the public
+    code calibrates ``modules[0]`` and copies ``final_trace`` to ``_group_modules``).
+
+    The public code means blocks by "layer" (``QuantConfig``: "all Linear layers in same layer
+    share") but keys the groups by ``layer_{counter}`` where ``_convert_model_recursively``
+    advances the counter at every Linear, so there each "layer" group holds one tensor and the
+    result equals ``"tensor"``; we group by block, as its comments describe.
+    """
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        parts = n.split(".")
+        if granularity == "tensor":
+            key = n
+        elif granularity == "layer":
+            idx = [i for i, p in enumerate(parts[:-1]) if p.isdigit()]
+            key = "layer " + (".".join(parts[:idx[0] + 1]) if idx else n)
+        else:
+            mod = parts[:-1] if parts[-1] in ("weight", "bias") else parts
+            key = mod[-1]
+        groups.setdefault(key, []).append(n)
+    return groups
+
+
+def _block_hvp(grad: torch.Tensor, param: torch.Tensor):
+    """``X -> H_ii X`` for one tensor's Hessian block, column by column (one double backprop per
+    column, as the public ``_compute_hvp_single_vector``), on float64 ``(numel, k)`` blocks."""
+    def matvec(X: torch.Tensor) -> torch.Tensor:
+        cols = [torch.autograd.grad(grad, param, x.to(param).view_as(param),
+                                    retain_graph=True)[0].reshape(-1).double()
+                for x in X.to(param.device).T]
+        return torch.stack(cols, 1).cpu()
+    return matvec
+
+
+def hessian_traces(model, names: list[str], batches: torch.Tensor, estimator: str = "hutchpp",
+                   granularity: str = "layer", num_sketch: int = 10, num_query: int = 20,
+                   n_samples: int = 16, seed: int = 0) -> dict[str, float]:
+    """Offline sensitivities: the trace of the LM loss's Hessian block on ``batches`` per group of
+    :func:`trace_groups`, given to every tensor of ``names`` in the group, on the full-precision
+    model, once before QAT (``HessianTraceCalibrator.calibrate``).
+
+    ``estimator="hutchpp"`` (the public code's): :func:`hutchpp` of the first tensor's own block
+    ``H_ii``, ``2 num_sketch + num_query`` double backprops per group (its defaults 10 and 20).
+    ``estimator="hutchinson"`` (ours before, PyHessian's estimator): ``n_samples`` joint
+    Rademacher probes serve every tensor at once (``diagnostics.hutchinson_trace(per_tensor=True)``);
+    a group then takes its first tensor's estimate.
+    """
+    if estimator not in ("hutchpp", "hutchinson"):
+        raise ValueError(f"estimator must be 'hutchpp' or 'hutchinson', got {estimator!r}")
+    groups = trace_groups(names, granularity)
+    firsts = [g[0] for g in groups.values()]
     params = dict(model.named_parameters())
-    gen = torch.Generator(device=batches.device).manual_seed(seed)
-    was_training = model.training
-    attn = model.config._attn_implementation
+    gen = torch.Generator().manual_seed(seed)
+    was_training, attn = model.training, model.config._attn_implementation
     model.config._attn_implementation = "eager"   # SDPA kernels have no double backward
     model.eval()
     try:
         loss = model(input_ids=batches, labels=batches).loss
-        est = hutchinson_trace(loss, [params[n] for n in names], n_samples, gen, per_tensor=True)
+        if estimator == "hutchinson":
+            gen_dev = torch.Generator(device=batches.device).manual_seed(seed)
+            est = hutchinson_trace(loss, [params[n] for n in names], n_samples, gen_dev,
+                                   per_tensor=True)
+            value = dict(zip(names, est))
+        else:
+            grads = torch.autograd.grad(loss, [params[n] for n in firsts], create_graph=True)
+            value = {n: hutchpp(_block_hvp(g, params[n]), params[n].numel(), num_sketch,
+                                num_query, gen) for n, g in zip(firsts, grads)}
     finally:
         model.train(was_training)
         model.config._attn_implementation = attn
-    return dict(zip(names, est))
+    return {n: value[g[0]] for g in groups.values() for n in g}
 
 
 # -- the quantized network ---------------------------------------------------------------------
@@ -388,7 +502,7 @@ class QATConfig:
     lr: float = 5e-4           # AdamW learning rate (cosine decay to 10 %), no weight decay
     log_every: int = 25        # evaluate the hard model every this many steps
     gap_every: int = 5         # Hestia: measure the relaxed-vs-hard gap every this many steps
-    t0: float = 0.35           # Hestia's initial temperature (optimal_init_temp() gives 0.35)
+    t0: float = 0.3509         # Hestia's initial temperature (optimal_init_temp() gives 0.3509)
     compress_ratio: float = 0.2  # Hestia's share of steps with rising pressure
 
 
