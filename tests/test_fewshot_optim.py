@@ -1,4 +1,6 @@
 """Paper 15's diagnostics: budget matching, the second-moment estimator, power iteration."""
+import math
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -135,3 +137,46 @@ def test_numerator_aligned_adam_first_step_is_lr_g_full_over_g_support():
     clf2 = _OneWeight()
     fo.train(clf2, x, y, "adam", lr, steps=1)
     assert float(clf2.w) - w0 == pytest.approx(-lr * float(torch.sign(g_support)), rel=1e-4)
+
+
+def test_a_frozen_tower_trains_on_features_computed_once_with_the_same_numbers(tiny):
+    """Linear probe, CoOp and CLIP-Adapter compute the image features once; the weights they
+    reach are those of a loop that runs the whole classifier every step."""
+    model, tok = tiny
+    names, x, y = _support()
+    for mode in ("linear", "coop", "adapter"):
+        torch.manual_seed(0)
+        fast = fo.FewShotClassifier(model, tok, names, mode)
+        torch.manual_seed(0)
+        slow = fo.FewShotClassifier(model, tok, names, mode)
+        assert fast.frozen_tower
+        fo.train(fast, x, y, "adamw", 1e-2, 3)
+        opt = fo.make_optimizer("adamw", slow.trainable(), 1e-2)
+        for _ in range(3):
+            loss = torch.nn.functional.cross_entropy(slow(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        for a, b in zip(fast.trainable(), slow.trainable()):
+            assert torch.allclose(a, b, atol=1e-6), mode
+    assert not fo.FewShotClassifier(model, tok, names, "lora").frozen_tower
+
+
+def test_training_stops_at_the_first_non_finite_loss(tiny):
+    model, tok = tiny
+    names, x, y = _support()
+    clf = fo.FewShotClassifier(model, tok, names, "full")
+    with torch.no_grad():
+        clf.head.fill_(float("nan"))
+    losses = fo.train(clf, x, y, "sgd", 1e-2, 5)
+    assert len(losses) == 1 and math.isnan(losses[0])
+
+
+def test_correct_is_per_item_and_accuracy_is_its_mean(tiny):
+    model, tok = tiny
+    names, x, y = _support()
+    clf = fo.FewShotClassifier(model, tok, names, "full")
+    right = fo.correct(clf, x, y)
+    assert right.dtype == torch.bool and right.shape == y.shape
+    assert fo.accuracy(clf, x, y) == pytest.approx(float(right.float().mean()))
+    assert torch.equal(right, clf(x).argmax(-1) == y)

@@ -23,10 +23,12 @@ import torch.nn.functional as F
 from peft import LoraConfig, inject_adapter_in_model
 from pytorch_optimizer import SOAP, Shampoo
 from torch import nn
+from torch.func import functional_call, grad, vmap
 
 from ..models import clip
 
-__all__ = ["FewShotClassifier", "make_optimizer", "train", "accuracy", "per_example_sq_grads",
+__all__ = ["FewShotClassifier", "make_optimizer", "train", "correct", "accuracy",
+           "per_example_sq_grads",
            "full_grad", "second_moment_ratio", "first_step_update", "budget_matched_lr",
            "distance_from_init", "OPTIMIZERS", "PEFT"]
 
@@ -105,12 +107,25 @@ class FewShotClassifier(nn.Module):
             self._in_coop = False
         return F.normalize(f, dim=-1)
 
-    def forward(self, x):
-        f = clip.pooled(self.model.get_image_features(pixel_values=x))
+    @property
+    def frozen_tower(self) -> bool:
+        """Whether the image tower is frozen (linear, CoOp, CLIP-Adapter): its features of a
+        fixed input never change, so training computes them once."""
+        return self.mode in ("linear", "coop", "adapter")
+
+    def features(self, x):
+        """The image tower's pooled features of ``x`` (before the head)."""
+        return clip.pooled(self.model.get_image_features(pixel_values=x))
+
+    def classify(self, f):
+        """Cosine logits of image features ``f`` against the class weights."""
         if self.mode == "adapter":
             f = F.normalize(f, dim=-1)
             f = f + self.alpha * self.adapter(f)       # CLIP-Adapter's residual blend
         return self.scale * F.normalize(f, dim=-1) @ self.weights().T
+
+    def forward(self, x):
+        return self.classify(self.features(x))
 
     def trainable(self):
         return [p for p in self.parameters() if p.requires_grad]
@@ -144,13 +159,24 @@ def train(clf: FewShotClassifier, x, y, optimizer: str, lr: float, steps: int,
     its bias-corrected first moment, m_1 / (1 - beta1) = g_full (numerator-side alignment; the
     denominator stays the support set's, sqrt(v_1 / (1 - beta2)) = |g_support|), so the first
     update is lr * g_full / (|g_support| + eps): what Adam would do had its first gradient been
-    the full-data one."""
+    the full-data one.
+
+    A frozen image tower's features are computed once (the same numbers, fewer forwards). A
+    non-finite loss ends the run: the weights have diverged and no later step brings them back.
+    Returns the losses of the steps taken."""
     params = clf.trainable()
     opt = make_optimizer(optimizer, params, lr)
     losses = []
     clf.train()
+    frozen = getattr(clf, "frozen_tower", False)
+    if frozen:
+        with torch.no_grad():
+            f = clf.features(x)
     for step in range(steps):
-        loss = F.cross_entropy(clf(x), y)
+        loss = F.cross_entropy(clf.classify(f) if frozen else clf(x), y)
+        losses.append(float(loss.detach()))
+        if not math.isfinite(losses[-1]):
+            break
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if step == 0 and numerator_grad is not None:
@@ -164,15 +190,21 @@ def train(clf: FewShotClassifier, x, y, optimizer: str, lr: float, steps: int,
                 st["exp_avg"] = (1 - b1) * (g - p.grad) / b1
                 st["exp_avg_sq"] = torch.zeros_like(p)
         opt.step()
-        losses.append(float(loss.detach()))
     return losses
 
 
-def accuracy(clf, x, y, batch: int = 1024) -> float:
+def correct(clf, x, y, batch: int = 1024) -> torch.Tensor:
+    """Per item of ``(x, y)``: whether ``clf`` classifies it right (a bool tensor; the paired
+    comparisons of two methods on the same test images read it)."""
     clf.eval()
     with torch.no_grad():
         pred = torch.cat([clf(x[i: i + batch]).argmax(-1) for i in range(0, len(x), batch)])
-    return float((pred == y).float().mean())
+    return pred == y
+
+
+def accuracy(clf, x, y, batch: int = 1024) -> float:
+    """The share of ``(x, y)`` that ``clf`` classifies right."""
+    return float(correct(clf, x, y, batch).float().mean())
 
 
 def full_grad(clf, x, y):
@@ -181,15 +213,21 @@ def full_grad(clf, x, y):
     return torch.autograd.grad(F.cross_entropy(clf(x), y), params)
 
 
-def per_example_sq_grads(clf, x, y) -> torch.Tensor:
+def per_example_sq_grads(clf, x, y, chunk: int = 256) -> torch.Tensor:
     """Mean over examples of the squared per-example gradient, flattened over the trainable
-    parameters: the second-moment estimate E_i[g_i ⊙ g_i] that Adam's denominator tracks."""
-    params = clf.trainable()
-    acc = None
-    for i in range(len(x)):
-        g = torch.autograd.grad(F.cross_entropy(clf(x[i: i + 1]), y[i: i + 1]), params)
-        sq = torch.cat([t.reshape(-1) for t in g]) ** 2
-        acc = sq if acc is None else acc + sq
+    parameters: the second-moment estimate E_i[g_i ⊙ g_i] that Adam's denominator tracks.
+    The per-example gradients come ``chunk`` at a time from ``torch.func`` (vmap of grad)."""
+    names = [n for n, p in clf.named_parameters() if p.requires_grad]
+    params = {n: p.detach() for n, p in clf.named_parameters() if p.requires_grad}
+
+    def loss_one(pr, xi, yi):
+        return F.cross_entropy(functional_call(clf, pr, (xi[None],)), yi[None])
+
+    per_example = vmap(grad(loss_one), in_dims=(None, 0, 0))
+    acc = torch.zeros(sum(params[n].numel() for n in names))
+    for i in range(0, len(x), chunk):
+        g = per_example(params, x[i: i + chunk], y[i: i + chunk])
+        acc += torch.cat([(g[n] ** 2).sum(0).reshape(-1) for n in names])
     return acc / len(x)
 
 
