@@ -13,8 +13,8 @@ from workbench.models import clip  # noqa: E402
 
 TINY = clip.ClipSize(dim=16, vision_layers=1, text_layers=1, heads=2, mlp=32, proj=8, steps=2,
                      n_per_class=2)
-SIZES = {"shots": [1, 2, 3], "steps": 2, "lr_sgd": 1e-2, "lr_adam": 1e-3, "lr_shampoo": 1e-2,
-         "lr_soap": 1e-3, "lr_peft": 1e-2}
+SIZES = {"shots": [1, 2, 3], "steps": 2, "n_query": 1, "n_val": 1, "n_full": 4, "noise": 0.3,
+         "lrs": [1e-3, 1e-1]}
 
 
 @pytest.fixture(scope="module")
@@ -37,33 +37,86 @@ def test_target_draws_are_seeded_and_the_query_is_not_a_support_set():
     assert len(yf) == 12 and float(xf.min()) >= 0 and float(xf.max()) <= 1
 
 
-def test_every_method_runs_on_every_support_set_and_the_middle_states_are_kept(tiny):
-    model, tok = tiny
+def test_the_validation_split_is_its_own_draw():
     names = list(images.SHAPES_HELDOUT[:3])
-    query, support = lab.draw_target(names, SIZES["shots"], n_query=1, noise=0.3, seed=0)
+    (xq, _), support = lab.draw_target(names, [1, 2], n_query=2, noise=0.3, seed=0)
+    xv, yv = lab.validation_split(names, 2, 0.3, seed=0)
+    assert torch.equal(xv, lab.validation_split(names, 2, 0.3, seed=0)[0])
+    assert len(yv) == 6 and not torch.equal(xv, xq) and not torch.equal(xv[:3], support[1][0])
+    flat = lambda t: {tuple(r.flatten().tolist()) for r in t}  # noqa: E731
+    assert not flat(xv) & (flat(xq) | flat(support[1][0]) | flat(support[2][0]))
+
+
+def test_plan_gives_budget_matched_adam_sgds_first_step_and_peft_adamw():
+    assert lab.plan("sgd", 1e-3, 0.2) == ("sgd", "full", 1e-3)
+    assert lab.plan("adam_numerator", 1e-3, 0.2) == ("adam_numerator", "full", 1e-3)
+    opt, mode, lr = lab.plan("adam_budget", 1e-3, 0.2)
+    assert (opt, mode) == ("adam", "full") and lr == pytest.approx(2e-4)
+    assert lab.plan("lora", 1e-2, 0.2) == ("adamw", "lora", 1e-2)
+    assert set(lab.METHODS) == set(fo.OPTIMIZERS) | set(fo.PEFT)
+
+
+def _setup(tiny):
+    model, tok = tiny
+    model.zoo_card = {"key": "tiny-test"}
+    names = list(images.SHAPES_HELDOUT[:3])
+    test, support = lab.draw_target(names, SIZES["shots"], n_query=2, noise=0.3, seed=0)
+    val = lab.validation_split(names, 1, 0.3, seed=0)
     clf0 = fo.FewShotClassifier(model, tok, names, "full")
     xf, yf = lab.full_pool(names, 4, 0.3, seed=0)
-    ratios, c2 = lab.second_moments(clf0, support, xf, yf, SIZES["lr_sgd"], SIZES["lr_adam"])
+    ratios, c2 = lab.second_moments(clf0, support, xf, yf, 1e-3)
+    return model, tok, names, test, support, val, fo.full_grad(clf0, xf, yf), c2
+
+
+def test_every_method_is_swept_on_every_support_set_selected_on_validation_and_cached(
+        tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))
+    model, tok, names, test, support, val, g, c2 = _setup(tiny)
     assert list(c2.index) == SIZES["shots"] and (c2.adam_step1 > 0).all()
-    res, states = lab.accuracy_vs_shots(model, tok, names, support, query,
-                                        fo.full_grad(clf0, xf, yf), c2, SIZES)
-    methods = [m for m, _, _ in lab.method_plan(SIZES, 1.0)]
-    assert len(res) == len(methods) * 3 and set(res.method) == set(methods)
-    # budget-matched Adam's lr is the one that equalises the first steps of that shot count
-    row = res[(res.shots == 2) & (res.method == "adam_budget")].iloc[0]
-    assert row.lr == pytest.approx(1e-3 * c2.loc[2, "sgd_step1"] / c2.loc[2, "adam_step1"])
-    assert set(states) == {m for m, mode, _ in lab.method_plan(SIZES, 1.0) if mode == "full"}
-    assert lab.middle_shots(SIZES["shots"]) == 2
-    c5 = lab.curvature(states, res, *support[2], 2, iters=2, seed=0)
-    assert (c5.dist_from_init > 0).all()
-    assert c5.loc["sgd", "dist_from_init"] == res[(res.shots == 2) & (res.method == "sgd")
-                                                  ].dist_from_init.iloc[0]
-    acc = res.pivot(index="method", columns="shots", values="acc")
-    m = lab.scalar_metrics(acc, c2, c5)
-    assert m["acc_sgd_3shot"] == acc.loc["sgd", 3]
+    keep = {}
+    sweeps = lab.sweep_shots(model, tok, names, support, val, test, g, c2, SIZES, 0, keep)
+    assert list(sweeps) == SIZES["shots"]
+    for sw in sweeps.values():
+        assert len(sw.table) == len(lab.METHODS) * len(SIZES["lrs"])
+        assert all(len(c) == len(test[1]) for c in sw.table.test_correct)
+        for m in lab.METHODS:                      # the selected rate has the best validation
+            runs = sw.table[sw.table.method == m]
+            assert sw.at_best(m)["val_acc"] == runs.val_acc.max()
+    assert set(keep) == {(m, v) for m in lab.FULL for v in SIZES["lrs"]}   # middle shot count: 2
+    # a second call reads every run from the cache: nothing is trained, the tables are the same
+    again = {}
+    sweeps2 = lab.sweep_shots(model, tok, names, support, val, test, g, c2, SIZES, 0, again)
+    assert again == {} and sweeps2[3].table.equals(sweeps[3].table)
+    sel = lab.selected(sweeps)
+    assert len(sel) == 3 * len(lab.METHODS) and "test_correct" not in sel
+    cmp = lab.comparisons(sweeps)
+    assert len(cmp) == 3 * len(lab.PAIRS)
+    row = cmp.loc[("sgd", "adam", 2)]
+    d = lab.compare(sweeps[2], "sgd", "adam")
+    assert row["diff"] == pytest.approx(d["diff"]) and row["low"] <= row["diff"] <= row["high"]
+    assert (cmp.loc[("sgd", "peft")].vs == [lab.best_peft(sweeps[k]) for k in SIZES["shots"]]).all()
+    # C5 at the selected rates: from keep, or refitted when the sweep read the cache (same numbers)
+    refit = lambda m, v: lab.fit(model, tok, names, m, v, support[2], SIZES["steps"],  # noqa: E731
+                                 lab.budget_ratio(c2, 2), g)[0]
+    c5 = lab.curvature(keep, sweeps[2], refit, *support[2], iters=2, seed=0)
+    c5b = lab.curvature({}, sweeps[2], refit, *support[2], iters=2, seed=0)
+    assert list(c5.index) == list(lab.FULL) and (c5.dist_from_init > 0).all()
+    assert c5.top_eig.to_numpy() == pytest.approx(c5b.top_eig.to_numpy(), rel=1e-4)
+    acc = sel.pivot(index="method", columns="shots", values="test_acc")
+    m = lab.scalar_metrics(sel, cmp, c2, c5)
+    assert m["acc_sgd_3shot"] == acc.loc["sgd", 3] and m["lr_sgd_3shot"] in SIZES["lrs"]
+    assert m["d_sgd_adam_2shot_low"] == row["low"]
     assert m["c2_adam_over_sgd_step1_1shot"] == pytest.approx(c2.loc[1, "adam_step1"]
                                                              / c2.loc[1, "sgd_step1"])
     assert all(isinstance(v, float) for v in m.values())
+
+
+def test_the_best_peft_baseline_is_chosen_on_validation_accuracy():
+    from workbench.sweep import Sweep
+    rows = [{"method": m, "lr": 1.0, "val_acc": v, "test_acc": 1 - v}
+            for m, v in zip(fo.PEFT, [0.2, 0.5, 0.5, 0.1])]
+    sw = Sweep("lr", "val_acc", "max", pd.DataFrame(rows))
+    assert lab.best_peft(sw) == fo.PEFT[1]            # the first of the tied best, not by test
 
 
 def test_gap_closed_is_the_share_of_the_sgd_adam_gap():

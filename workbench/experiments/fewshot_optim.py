@@ -4,24 +4,36 @@
 The method (the few-shot classifier and what trains, the second-moment estimator, the first-step
 update norm, the budget-matched learning rate) lives in :mod:`workbench.methods.fewshot_optim`.
 Here is what the notebook runs with it: the target data (the shapes family's held-out classes
-under pixel noise: a query set, a support set per shot count, a larger "full-data" pool), the
-second-moment table at initialization (C2), every optimizer and PEFT baseline trained on every
-support set (C1, C3, C4), the distance and curvature table at the middle shot count (C5), and the
-scalar metrics that the recorded results read.
+under pixel noise: a test set, a support set per shot count, a validation split that selects
+learning rates, a larger "full-data" pool), the second-moment table at initialization (C2), every
+optimizer and PEFT baseline trained on every support set over one shared learning-rate grid
+(:func:`workbench.sweep.sweep`, cached per run) and judged at the rate its validation accuracy
+selects (C1, C3, C4), paired bootstrap intervals of the test-accuracy differences, the distance
+and curvature table at the middle shot count (C5), and the scalar metrics the recorded results
+read.
 """
 from __future__ import annotations
+
+import inspect
 
 import pandas as pd
 import torch
 import torch.nn.functional as F
 
+from workbench import cache
 from workbench.data import images
-from workbench.diagnostics import top_hessian_eigenvalue
+from workbench.diagnostics import paired_bootstrap, top_hessian_eigenvalue
 from workbench.methods import fewshot_optim as fo
-from workbench.progress import progress
+from workbench.sweep import Sweep, sweep
 
-__all__ = ["noisy_shapes", "draw_target", "full_pool", "second_moments", "method_plan",
-           "accuracy_vs_shots", "middle_shots", "curvature", "gap_closed", "scalar_metrics"]
+__all__ = ["SLUG", "FULL", "METHODS", "PAIRS", "noisy_shapes", "draw_target", "validation_split",
+           "full_pool", "second_moments", "plan", "budget_ratio", "fit", "score", "sweep_shots",
+           "middle_shots", "best_peft", "selected", "compare", "comparisons", "curvature",
+           "gap_closed", "scalar_metrics"]
+
+SLUG = "15-fewshot-clip-optimizers"
+FULL = ("sgd", "adam", "adamw", "adam_budget", "adam_numerator", "shampoo", "soap")
+METHODS = FULL + fo.PEFT
 
 
 # -- the target: held-out classes under noise ----------------------------------------------------
@@ -41,6 +53,14 @@ def draw_target(names, shots, n_query: int, noise: float, seed: int):
     return query, support
 
 
+def validation_split(names, n_val: int, noise: float, seed: int):
+    """The validation split that selects every method's learning rate: ``n_val`` more labelled
+    images a class, drawn like the support sets (its own render and noise seeds: disjoint from
+    every support set and from the test images, which no selection ever reads)."""
+    base = 1000 * (seed + 1)
+    return noisy_shapes(names, n_val, noise, base + 5, base + 6)
+
+
 def full_pool(names, n_full: int, noise: float, seed: int):
     """The "full-data" pool of C2: ``n_full`` images a class, larger than any support set."""
     base = 1000 * (seed + 1)
@@ -48,27 +68,84 @@ def full_pool(names, n_full: int, noise: float, seed: int):
 
 
 # -- C2: the second moment at initialization -----------------------------------------------------
-def second_moments(clf0, support: dict, xf, yf, lr_sgd: float, lr_adam: float):
+def second_moments(clf0, support: dict, xf, yf, lr: float):
     """Per shot count: the per-coordinate ratio of the support set's second moment of per-example
     gradients to the full pool's (:func:`fo.second_moment_ratio`), and the first-step update
-    norms of SGD and Adam from ``clf0``. Returns ``(ratios, table)``, one table row per shot."""
+    norms of SGD and Adam from ``clf0`` at one learning rate ``lr`` (both are linear in it, so
+    their ratio holds at every rate). Returns ``(ratios, table)``, one table row per shot."""
     v_full = fo.per_example_sq_grads(clf0, xf, yf)
     rows, ratios = {}, {}
     for k, (xs, ys) in support.items():
         ratios[k], rows[k] = fo.second_moment_ratio(fo.per_example_sq_grads(clf0, xs, ys), v_full)
-        rows[k]["sgd_step1"] = fo.first_step_update(clf0, xs, ys, "sgd", lr_sgd)
-        rows[k]["adam_step1"] = fo.first_step_update(clf0, xs, ys, "adam", lr_adam)
+        rows[k]["sgd_step1"] = fo.first_step_update(clf0, xs, ys, "sgd", lr)
+        rows[k]["adam_step1"] = fo.first_step_update(clf0, xs, ys, "adam", lr)
     return ratios, pd.DataFrame(rows).T
 
 
-# -- C1, C3, C4: every method on every support set -----------------------------------------------
-def method_plan(sizes: dict, lr_budget: float) -> list[tuple[str, str, float]]:
-    """``(method, what trains, learning rate)``: the full fine-tunes with every optimizer (the
-    budget-matched Adam at ``lr_budget``), then the PEFT baselines (trained with AdamW)."""
-    return [("sgd", "full", sizes["lr_sgd"]), ("adam", "full", sizes["lr_adam"]),
-            ("adamw", "full", sizes["lr_adam"]), ("adam_budget", "full", lr_budget),
-            ("adam_numerator", "full", sizes["lr_adam"]), ("shampoo", "full", sizes["lr_shampoo"]),
-            ("soap", "full", sizes["lr_soap"])] + [(m, m, sizes["lr_peft"]) for m in fo.PEFT]
+# -- C1, C3, C4: every method over one learning-rate grid, on every support set ------------------
+def plan(method: str, value: float, budget_ratio: float) -> tuple[str, str, float]:
+    """``(optimizer, what trains, learning rate)`` of ``method`` at the grid value ``value``.
+    The full fine-tunes train the image tower and head with their optimizer at ``value``, except
+    budget-matched Adam, whose rate ``value * budget_ratio`` (SGD's over Adam's first-step norm,
+    :func:`fo.budget_matched_lr`) makes its first step as long as SGD's at ``value``; the PEFT
+    baselines train their parameters with AdamW."""
+    if method in fo.PEFT:
+        return "adamw", method, value
+    if method == "adam_budget":
+        return "adam", "full", fo.budget_matched_lr(value, 1.0, budget_ratio)
+    return method, "full", value
+
+
+def budget_ratio(c2: pd.DataFrame, k: int) -> float:
+    """SGD's over Adam's first-step norm at ``k`` shots (from :func:`second_moments`)."""
+    return float(c2.loc[k, "sgd_step1"] / c2.loc[k, "adam_step1"])
+
+
+def fit(model, tok, names, method: str, value: float, support, steps: int, budget_ratio: float,
+        grad_full=None):
+    """A fresh copy of CLIP trained by ``method`` at grid value ``value`` for ``steps``
+    full-batch steps on ``support`` (``adam_numerator`` seeds Adam's first moment with
+    ``grad_full``): ``(classifier, losses, initial trainable weights)``."""
+    optimizer, mode, lr = plan(method, value, budget_ratio)
+    clf = fo.FewShotClassifier(model, tok, names, mode)
+    init = {n: p.detach().clone() for n, p in clf.named_parameters() if p.requires_grad}
+    losses = fo.train(clf, *support, optimizer, lr, steps,
+                      numerator_grad=grad_full if method == "adam_numerator" else None)
+    return clf, losses, init
+
+
+def score(clf, losses, init, val, test) -> dict:
+    """What one run records: validation accuracy (the selection metric), test accuracy and the
+    per-image test outcomes (for paired comparisons), the last loss, the steps taken (fewer when
+    the loss diverged) and the distance from the pretrained weights."""
+    right = fo.correct(clf, *test)
+    return {"val_acc": fo.accuracy(clf, *val), "test_acc": float(right.float().mean()),
+            "test_correct": right.int().tolist(), "final_loss": losses[-1],
+            "steps_run": len(losses), "dist_from_init": fo.distance_from_init(clf, init)}
+
+
+def sweep_shots(model, tok, names, support: dict, val, test, grad_full, c2: pd.DataFrame,
+                sizes: dict, seed: int, keep: dict | None = None) -> dict[int, Sweep]:
+    """Per shot count, :func:`workbench.sweep.sweep` of every method in :data:`METHODS` over
+    ``sizes["lrs"]``, selected on validation accuracy, each run cached under a key of everything
+    it depends on (the data's seed and sizes, the CLIP, the code of this harness and the
+    method). ``keep`` collects the full fine-tunes trained at the middle shot count (for C5)."""
+    code = [inspect.getsource(f) for f in (fo, plan, fit, score)]
+    out = {}
+    for k, sup in support.items():
+        ratio = budget_ratio(c2, k)
+        spec = [SLUG, model.zoo_card["key"], list(names), seed, k, ratio, code,
+                {n: sizes[n] for n in ("steps", "n_query", "n_val", "n_full", "noise")}]
+
+        def run(method, value, k=k, sup=sup, ratio=ratio):
+            clf, losses, init = fit(model, tok, names, method, value, sup, sizes["steps"], ratio,
+                                    grad_full)
+            if keep is not None and method in FULL and k == middle_shots(list(support)):
+                keep[method, value] = clf
+            return score(clf, losses, init, val, test)
+        out[k] = sweep(run, METHODS, sizes["lrs"], select="val_acc", knob="lr",
+                       cache_dir=cache.folder(SLUG) / cache.key(*spec), desc=f"{k}-shot")
+    return out
 
 
 def middle_shots(shots) -> int:
@@ -76,45 +153,60 @@ def middle_shots(shots) -> int:
     return shots[len(shots) // 2]
 
 
-def accuracy_vs_shots(model, tok, names, support: dict, query, grad_full, c2: pd.DataFrame,
-                      sizes: dict):
-    """Train every method of :func:`method_plan` for ``sizes["steps"]`` full-batch steps on each
-    support set, from a fresh copy of CLIP, and score it on the query set. ``adam_numerator``
-    starts Adam's first moment at ``grad_full``. Returns one row per (shots, method) (accuracy,
-    final loss, distance from init) and the full fine-tunes at the middle shot count (for C5)."""
-    xq, yq = query
-    rows, states = [], {}
-    for k in progress(sizes["shots"], desc="shots"):
-        xs, ys = support[k]
-        lr_budget = fo.budget_matched_lr(sizes["lr_adam"], c2.loc[k, "adam_step1"],
-                                         c2.loc[k, "sgd_step1"])
-        for name, mode, lr in method_plan(sizes, lr_budget):
-            clf = fo.FewShotClassifier(model, tok, names, mode)
-            init = {n: p.detach().clone() for n, p in clf.named_parameters() if p.requires_grad}
-            losses = fo.train(clf, xs, ys, name if mode == "full" else "adamw", lr, sizes["steps"],
-                              numerator_grad=grad_full if name == "adam_numerator" else None)
-            rows.append({"shots": k, "method": name, "lr": lr, "acc": fo.accuracy(clf, xq, yq),
-                         "final_loss": losses[-1],
-                         "dist_from_init": fo.distance_from_init(clf, init)})
-            if mode == "full" and k == middle_shots(sizes["shots"]):
-                states[name] = clf
-    return pd.DataFrame(rows), states
+def best_peft(sw: Sweep) -> str:
+    """The PEFT baseline with the highest validation accuracy at its selected rate (the first
+    on a tie): the one SGD is compared with, chosen without the test images."""
+    return max(fo.PEFT, key=lambda m: (sw.at_best(m)["val_acc"], -fo.PEFT.index(m)))
+
+
+def selected(sweeps: dict[int, Sweep]) -> pd.DataFrame:
+    """One row per (shots, method) at its selected rate: the grid value, validation and test
+    accuracy, last loss and distance from init."""
+    rows = [{"shots": k, **{c: v for c, v in sw.at_best(m).items() if c != "test_correct"}}
+            for k, sw in sweeps.items() for m in METHODS]
+    return pd.DataFrame(rows)
+
+
+def compare(sw: Sweep, a: str, b: str, seed: int = 0) -> dict:
+    """:func:`paired_bootstrap` of ``a`` minus ``b``, each at its selected rate, over the same
+    test images: ``{"diff", "low", "high", ...}``."""
+    return paired_bootstrap(sw.at_best(a)["test_correct"], sw.at_best(b)["test_correct"],
+                            seed=seed)
+
+
+PAIRS = (("sgd", "peft"), ("sgd", "adam"), ("sgd", "adamw"), ("adam_budget", "adam"),
+         ("sgd", "adam_budget"), ("sgd", "adam_numerator"), ("sgd", "shampoo"), ("sgd", "soap"))
+
+
+def comparisons(sweeps: dict[int, Sweep], pairs=PAIRS) -> pd.DataFrame:
+    """Per shot count and pair ``(a, b)``, the paired test-accuracy difference ``a - b`` with its
+    95% interval (``"peft"`` stands for :func:`best_peft`); indexed by ``(a, b, shots)``."""
+    rows = []
+    for k, sw in sweeps.items():
+        for a, b in pairs:
+            name = {"peft": best_peft(sw)}
+            d = compare(sw, name.get(a, a), name.get(b, b))
+            rows.append({"a": a, "b": b, "shots": k, "vs": name.get(b, b),
+                         **{s: d[s] for s in ("diff", "low", "high")}})
+    return pd.DataFrame(rows).set_index(["a", "b", "shots"]).sort_index()
 
 
 # -- C5: distance from init and curvature --------------------------------------------------------
-def curvature(states: dict, res: pd.DataFrame, xs, ys, shots: int, iters: int,
-              seed: int) -> pd.DataFrame:
-    """Per full fine-tune at ``shots``: its distance from the pretrained weights, the top
-    eigenvalue of the support loss's Hessian (power iteration on Hessian-vector products, seeded)
-    and its query accuracy."""
+def curvature(keep: dict, sw: Sweep, refit, xs, ys, iters: int, seed: int) -> pd.DataFrame:
+    """Per full fine-tune at its selected rate (from ``keep``, or ``refit(method, value)`` when
+    the sweep read it from the cache): its distance from the pretrained weights, the top
+    eigenvalue of the support loss's Hessian (power iteration, seeded) and its test accuracy."""
     rows = {}
-    for name, clf in states.items():
+    for name in FULL:
+        best = sw.at_best(name)
+        clf = keep.get((name, best["lr"]))
+        clf = refit(name, best["lr"]) if clf is None else clf
         clf.eval()
         lam = top_hessian_eigenvalue(lambda: F.cross_entropy(clf(xs), ys),
                                      clf.trainable(), iters=iters,
                                      generator=torch.Generator().manual_seed(seed))
-        row = res[(res.shots == shots) & (res.method == name)].iloc[0]
-        rows[name] = {"dist_from_init": row.dist_from_init, "top_eig": lam, "acc": row.acc}
+        rows[name] = {"dist_from_init": best["dist_from_init"], "top_eig": lam,
+                      "acc": best["test_acc"]}
     return pd.DataFrame(rows).T
 
 
@@ -128,10 +220,19 @@ def gap_closed(acc: pd.DataFrame):
             (acc.loc["adam_numerator"] - acc.loc["adam"]) / some)
 
 
-def scalar_metrics(acc: pd.DataFrame, c2: pd.DataFrame, c5: pd.DataFrame) -> dict[str, float]:
-    """The tables as flat scalar metrics for the recorded results: ``acc_<method>_<k>shot``,
-    ``c2_<stat>_<k>shot`` (with ``adam_over_sgd_step1``) and ``c5_<stat>_<method>``."""
-    out = {f"acc_{m}_{k}shot": float(v) for m, row in acc.iterrows() for k, v in row.items()}
+def scalar_metrics(sel: pd.DataFrame, cmp: pd.DataFrame, c2: pd.DataFrame,
+                   c5: pd.DataFrame) -> dict[str, float]:
+    """The tables as flat scalar metrics for the recorded results: ``acc_<method>_<k>shot``
+    (test accuracy at the selected rate), ``lr_<method>_<k>shot`` (the selected grid value),
+    ``d_<a>_<b>_<k>shot`` with ``_low`` and ``_high`` (paired differences), ``c2_<stat>_<k>shot``
+    (with ``adam_over_sgd_step1``) and ``c5_<stat>_<method>``."""
+    out = {}
+    for r in sel.itertuples():
+        out[f"acc_{r.method}_{r.shots}shot"] = float(r.test_acc)
+        out[f"lr_{r.method}_{r.shots}shot"] = float(r.lr)
+    for (a, b, k), r in cmp.iterrows():
+        out.update({f"d_{a}_{b}_{k}shot{s}": float(r[c]) for s, c in
+                    (("", "diff"), ("_low", "low"), ("_high", "high"))})
     for k, row in c2.iterrows():
         out.update({f"c2_{s}_{k}shot": float(v) for s, v in row.items()})
         out[f"c2_adam_over_sgd_step1_{k}shot"] = float(row.adam_step1 / row.sgd_step1)
