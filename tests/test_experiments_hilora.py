@@ -71,3 +71,49 @@ def test_unseen_table_averages_member_families_and_domains():
     assert np.isclose(unseen.loc["mean over unseen domains", "HiLoRA"],
                       unseen.drop("mean over unseen domains").HiLoRA.mean())
     assert (unseen.oracle == 1).all()
+
+
+def test_selection_variants_score_each_prompt_once_per_number_of_loras(monkeypatch):
+    from workbench.data import tasks
+    examples = tasks.generate("sort", 4, 0)
+    post = np.array([[0.7, 0.2, 0.1], [0.1, 0.3, 0.6], [0.98, 0.01, 0.01], [0.5, 0.45, 0.05]])
+    mask = np.array([[1, 1, 0], [0, 1, 1], [1, 0, 0], [1, 1, 0]], dtype=bool)
+    asked = []
+
+    def fake_generate(lm, tok, prompts, hooks, w, k, max_new_tokens):
+        asked.append((list(prompts), w.copy(), k.copy()))
+        # right only under one LoRA: the variant's score tells the columns apart
+        return [e.target if (wi > 0).sum() == 1 else "x" for e, wi in
+                zip([e for p in prompts for e in examples if e.prompt == p][:len(prompts)], w)]
+
+    monkeypatch.setattr(X.hl, "generate_routed", fake_generate)
+    bed = SimpleNamespace(**vars(_bed(rank=4)), hooks=SimpleNamespace(handles=[object()]),
+                          lm=None, tok=None)
+    v = X.selection_variants(bed, examples, post, mask, np.array([0.5, 0.25, 0.75, 0.0]),
+                             budget=4, k_max=2, max_new_tokens=8)
+    assert list(v.columns) == [1, 2]
+    assert v.loc[2, 1] == 0.75 and v.loc[[0, 1, 3], 2].tolist() == [0.5, 0.25, 0.0]   # reused
+    assert v.loc[[0, 1, 3], 1].tolist() == [1.0, 1.0, 1.0] and v.loc[2, 2] == 0.0    # generated
+    one, two = asked
+    assert one[0] == [examples[i].prompt for i in (0, 1, 3)]
+    assert one[1][:, :3].argmax(1).tolist() == [0, 2, 0] and (one[2].sum(1) == 4).all()
+    assert two[1][0, :3].tolist() == [1.0, 1.0, 0.0] and two[2][0, :3].tolist() == [3, 1, 0]
+
+
+def test_at_threshold_counts_as_select_does_and_the_curve_reads_the_variants():
+    from workbench.methods import hilora as hl
+    pool, held = ["sort", "dedupe", "pattern_skip", "kv", "count"], ["rotate"]
+    g = np.random.default_rng(0)
+    post = g.dirichlet(np.ones(5) * 0.3, size=60)
+    fam = np.array((pool + held) * 10)
+    v = pd.DataFrame({1: np.ones(60), 2: np.zeros(60)})            # one LoRA right, two wrong
+    for t in (0.5, 0.8, 0.95, 1.0):
+        acc, n = X.at_threshold(v, post, fam, t, 2)
+        assert (n == hl.select(post, t, 2).sum(1)).all()
+        assert np.isclose(acc.mean(), (n == 1).mean())            # families are equal-sized
+    curve = X.threshold_curve(v, post, fam, [0.5, 0.9, 1.0], 2, pool, held)
+    assert list(curve.threshold) == [0.5, 0.9, 1.0]
+    assert curve["share with 2+ LoRAs"].is_monotonic_increasing
+    assert curve["pool families"].is_monotonic_decreasing and curve["unseen domains"].iloc[-1] < 1
+    _, n = X.at_threshold(v, post, fam, 0.9, 2)
+    assert np.isclose(curve["share with 2+ LoRAs"][1], (n > 1).mean())

@@ -13,7 +13,10 @@ The method (ROCs, the Gaussians, selection, allocation, the routed hooks) is
   against the base, uniform, single-best, top-k, Arrow, trained-router and oracle routings, each
   through the same hooks (C3);
 - :func:`throughput`, :func:`active_rocs`: tokens/s of routed generation against one ``peft``
-  LoRA (C4), and which ROCs a prompt switches on.
+  LoRA (C4), and which ROCs a prompt switches on;
+- :func:`selection_variants`, :func:`at_threshold`, :func:`threshold_curve`,
+  :func:`threshold_figure`: the explorer over the selection threshold (each prompt scored once per
+  number of selected LoRAs, so any threshold's accuracy is a lookup).
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import pandas as pd
 import torch
 from sklearn.linear_model import LogisticRegression
 
-from .. import evaluate
+from .. import evaluate, plots
 from ..data import tasks
 from ..methods import hilora as hl
 from ..models import adapters, zoo
@@ -33,7 +36,8 @@ from ..models import adapters, zoo
 __all__ = ["Bed", "load_bed", "lora_equivalence", "train_inputs", "fit_and_eval_examples",
            "features", "selection_curve", "pad_pool", "trained_router", "single_best",
            "method_gates", "longest_answer", "score", "method_scores", "unseen_table",
-           "budget_sweep", "throughput", "active_rocs", "summary"]
+           "budget_sweep", "throughput", "active_rocs", "summary", "selection_variants",
+           "at_threshold", "threshold_curve", "threshold_figure"]
 
 FIT_SEED = 7                # the pool's own training-data seed: fitting inputs come from it
 
@@ -308,3 +312,88 @@ def summary(c2: pd.DataFrame, unseen: pd.DataFrame, per_family: pd.DataFrame,
                c3_budget_lowest=float(budgets.accuracy.iloc[0]),
                c3_budget_highest=float(budgets.accuracy.iloc[-1]))
     return out
+
+
+# -- the explorer: accuracy against the selection threshold ---------------------------------------
+
+def selection_variants(bed: Bed, examples: list, post: np.ndarray, mask: np.ndarray,
+                       scores: np.ndarray, budget: int, k_max: int,
+                       max_new_tokens: int) -> pd.DataFrame:
+    """Each prompt's score with its ``n`` most likely LoRAs selected, for ``n = 1..k_max``
+    (columns ``1..k_max``), the budget split as :func:`~workbench.methods.hilora.allocate` does.
+    A threshold only changes how many LoRAs a prompt gets, so these columns give HiLoRA's score
+    at any threshold. ``scores`` (HiLoRA's at ``mask``) fill the column each prompt already
+    has; the others are generated under ``bed.hooks``, or fresh hooks (removed after) once the
+    notebook has removed those."""
+    order = np.argsort(-post, 1)
+    out = pd.DataFrame(index=range(len(post)), columns=range(1, k_max + 1), dtype=float)
+    own = bool(bed.hooks.handles)
+    hooks = bed.hooks if own else None
+    for n in range(1, k_max + 1):
+        top = np.zeros_like(mask)
+        np.put_along_axis(top, order[:, :n], True, 1)
+        have = mask.sum(1) == n
+        out.loc[have, n] = scores[have]
+        todo = np.flatnonzero(~have)
+        if len(todo):
+            hooks = hooks or hl.RocHooks(bed.lm, [hl.lora_factors(bed.peft_model, f)
+                                                  for f in bed.families])
+            w = pad_pool(top.astype(float), bed.n_all)[todo]
+            k = pad_pool(hl.allocate(post, top, budget, bed.rank), bed.n_all)[todo]
+            comps = hl.generate_routed(bed.lm, bed.tok, [examples[i].prompt for i in todo],
+                                       hooks, w, k, max_new_tokens=max_new_tokens)
+            out.loc[todo, n] = score([examples[i] for i in todo], comps)
+    if hooks is not None and not own:
+        hooks.remove()
+    return out
+
+
+def at_threshold(variants: pd.DataFrame, post: np.ndarray, families, threshold: float,
+                 k_max: int) -> tuple[pd.Series, np.ndarray]:
+    """HiLoRA's mean score per family at ``threshold`` (read from :func:`selection_variants`),
+    and how many LoRAs each prompt selects there."""
+    mass = np.cumsum(-np.sort(-post, 1), 1)                 # hl.select's count, all rows at once
+    n = np.minimum((mass < threshold).sum(1) + 1, k_max)
+    got = variants.to_numpy()[np.arange(len(n)), n - 1]
+    return pd.Series(got).groupby(np.asarray(families)).mean(), n
+
+
+def threshold_curve(variants: pd.DataFrame, post: np.ndarray, families, thresholds,
+                    k_max: int, pool_families: list, heldout: list) -> pd.DataFrame:
+    """Per threshold: HiLoRA's mean over the unseen domains (:func:`unseen_table`), over the
+    pool families and over the held-out ones, and the share of prompts given more than one
+    LoRA."""
+    rows = []
+    for t in thresholds:
+        fam, n = at_threshold(variants, post, families, t, k_max)
+        unseen = unseen_table(fam.to_frame("HiLoRA"), pool_families, heldout)
+        rows.append({"threshold": float(t), "unseen domains": unseen.HiLoRA.iloc[-1],
+                     "pool families": fam[pool_families].mean(),
+                     "held-out families": fam[heldout].mean(), "share with 2+ LoRAs": (n > 1).mean()})
+    return pd.DataFrame(rows)
+
+
+def threshold_figure(curve: pd.DataFrame, per_family: pd.DataFrame, at: pd.Series,
+                     threshold: float, share: float):
+    """Left: HiLoRA's accuracy against the threshold (a line at ``threshold``) and the share of
+    prompts given a second LoRA. Right: accuracy per family at ``threshold`` (``at``) beside
+    the recorded methods' (``per_family``: top-k, trained router, oracle)."""
+    at = at.reindex(per_family.index)
+    fig, (ax, bx) = plots.subplots(1, 2, figsize=(11, 3.8))
+    for i, col in enumerate(["unseen domains", "pool families", "held-out families"]):
+        ax.plot(curve.threshold, curve[col], color=plots.PALETTE[i], label=col)
+    ax.plot(curve.threshold, curve["share with 2+ LoRAs"], "k:", label="share with 2+ LoRAs")
+    ax.axvline(threshold, color="grey", lw=1)
+    ax.set(xlabel="threshold on the posterior mass", ylabel="exact match (HiLoRA) / share",
+           ylim=(-0.02, 1.02), title=f"threshold {threshold:.2f}: {share:.0%} of prompts get 2+ LoRAs")
+    ax.legend(fontsize=7)
+    xs = np.arange(len(at))
+    others = ["top-k", "trained router", "oracle"]
+    bx.bar(xs - 0.3, at.to_numpy(), 0.2, color=plots.PALETTE[0], label=f"HiLoRA at {threshold:.2f}")
+    for j, m in enumerate(others):
+        bx.bar(xs - 0.1 + 0.2 * j, per_family.loc[at.index, m], 0.2, color=plots.PALETTE[j + 3],
+               label=m, hatch="//" if m == "oracle" else None)
+    bx.set_xticks(xs, at.index, rotation=20, ha="right", fontsize=8)
+    bx.set(ylabel="exact match", title="Accuracy per family at this threshold")
+    bx.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return fig
