@@ -96,3 +96,25 @@ def test_window_fits_fit_curve_and_metrics():
     assert lab.window_fits({"float32": tr}, None) == {}
     assert lab.log_doubling(math.log(2) / 90) == pytest.approx(90)
     assert math.isnan(lab.log_doubling(None))
+
+
+def test_increase_ratio_and_separation_step_on_hand_made_norms():
+    """float32 grows like the controls for 60 steps, then twice as fast: the ratio is 1, then
+    rises, and the separation step is the first step from which it stays above the margin."""
+    t = np.arange(100, dtype=float)
+    ctrl = 10 + 0.1 * t
+    f32 = ctrl + np.where(t >= 60, 0.1 * (t - 60), 0.0)
+    runs = {}
+    for v, x in (("float32", f32), ("float64", ctrl), ("zero_sum", ctrl - 0.01 * t)):
+        runs[v] = Tracker()
+        for i, xi in enumerate(x):
+            runs[v].log(i, param_norm=xi)
+    r = lab.increase_ratio(runs, (10, 100))
+    assert len(r) == 90 and np.isnan(r[0])                      # no growth yet at the start
+    assert r[1:50] == pytest.approx(1.0)                        # the larger control is float64
+    assert r[-1] == pytest.approx((0.1 * 89 + 0.1 * 39) / (0.1 * 89))
+    first = 10 + int(np.argmax(r > 1.1))
+    assert lab.separation_step(r, (10, 100)) == first and first > 60
+    assert lab.separation_step(r, (10, 100), margin=5.0) is None
+    wobble = np.r_[np.full(5, 1.2), np.full(5, 1.0), np.full(5, 1.3)]
+    assert lab.separation_step(wobble, (0, 15)) == 10          # it must stay above to count

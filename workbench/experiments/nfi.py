@@ -4,7 +4,8 @@ The method (the absorption threshold, the absorbed and collapsed masks, the two 
 zero-sum-preserving cross-entropy) lives in :mod:`workbench.methods.nfi`. Here is what the
 notebook runs with it: an instrumented full-batch trainer of a bias-free ReLU MLP in three
 variants (float32, float64, float32 with the zero-sum backward) from the same initial weights,
-the loss-spike detector, the inflation window and the exponential growth fits over it, and the
+the loss-spike detector, the inflation window and the exponential growth fits over it, how much
+faster a norm grows in float32 than in its controls step by step over the window (C5), and the
 story of a spike (norm growth before, gradients back after).
 """
 from __future__ import annotations
@@ -26,7 +27,8 @@ from workbench.progress import progress
 
 __all__ = ["VARIANTS", "TRACKED", "MLP", "TrainConfig", "init_model", "train", "train_variants",
            "detect_spikes", "spikes_of", "inflation_window", "growth_fit", "window_fits",
-           "fit_curve", "fit_metrics", "spike_story", "spike_stories", "log_doubling"]
+           "fit_curve", "fit_metrics", "increase_ratio", "separation_step", "spike_story",
+           "spike_stories", "log_doubling"]
 
 VARIANTS = ("float32", "float64", "zero_sum")   # zero_sum: float32 with ZeroSumCrossEntropy
 
@@ -224,6 +226,29 @@ def fit_metrics(fits: dict[str, dict[str, dict]], prefix: str) -> dict[str, floa
     recorded results and the prose read)."""
     return {f"{prefix}_{k}_{stat}_{v}": f[stat] for v, d in fits.items() for k, f in d.items()
             for stat in ("factor", "rate", "r2")}
+
+
+def increase_ratio(runs: dict[str, Tracker], window, key: str = "param_norm",
+                   controls=("float64", "zero_sum")) -> np.ndarray:
+    """At every step s of ``window``: float32's increase of ``key`` since the window's start,
+    ``x(s) / x(start) - 1``, over the larger of the ``controls``' increases (C5's measure; > 1 is
+    faster growth in float32). NaN where no control has grown yet."""
+    inc = {v: runs[v][key][slice(*window)] / runs[v][key][window[0]] - 1
+           for v in ("float32", *controls)}
+    ref = np.max([inc[v] for v in controls], axis=0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(ref > 0, inc["float32"] / ref, np.nan)
+
+
+def separation_step(ratio, window, margin: float = 1.1) -> int | None:
+    """The first step of ``window`` from which ``ratio`` (:func:`increase_ratio`) stays above
+    ``margin`` to the window's end: when float32's norm pulls away from the controls for good.
+    None when it is not above ``margin`` at the end."""
+    above = np.nan_to_num(np.asarray(ratio, float), nan=0.0) > margin
+    if not len(above) or not above[-1]:
+        return None
+    below = np.flatnonzero(~above)
+    return int(window[0] + (below[-1] + 1 if len(below) else 0))
 
 
 def log_doubling(rate: float) -> float:
