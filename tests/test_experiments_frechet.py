@@ -3,6 +3,8 @@ a tiny peft model (C1, C2), the identity check, and the MLP side (C3, C5) on a s
 task."""
 from types import SimpleNamespace
 
+import numpy as np
+import pandas as pd
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -23,7 +25,7 @@ class TinyBench(xp.Bench):
         return {"input_ids": ids, "labels": ids}
 
 
-def _bench():
+def _bench(cls=None):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
                                    num_hidden_layers=1, num_attention_heads=2,
@@ -35,7 +37,7 @@ def _bench():
     model.eval()
     g = torch.Generator().manual_seed(1)
     rows = {f: list(torch.randint(0, 32, (3, 8), generator=g)) for f in FAMS}
-    return TinyBench(model, None, FAMS, evals={}, loss_sets=rows, with_steps=False)
+    return (cls or TinyBench)(model, None, FAMS, evals={}, loss_sets=rows, with_steps=False)
 
 
 def test_reparameterizations_keep_each_adapter_and_move_only_the_naive_merge():
@@ -95,3 +97,40 @@ def test_karcher_gap():
     hist = {"m1": [10.0, 4.0, 3.0, 3.0], "m2": [2.0, 1.0]}
     assert xp.karcher_gap(hist, 1) == pytest.approx(0.1)         # m1: (4 - 3) / 10
     assert xp.karcher_gap(hist, 2) == 0.0
+
+
+class ScoredBench(TinyBench):
+    """TinyBench with an 'exact match' per family: 1 when the slot's loss on that family's rows
+    is within 1e-4 of the family's own adapter (so only that adapter, or a merge equal to it,
+    scores)."""
+
+    def accuracy(self, adapter):
+        return {f: float(abs(self.loss(adapter, self.own[f]) - self.loss(f, self.own[f])) < 1e-4)
+                for f in self.families}
+
+
+def test_weighted_merges_reach_the_adapter_at_weight_one_and_the_table_adds_the_ends():
+    bench = _bench(ScoredBench)
+    sets = [fr.get_factors(bench.model, f) for f in FAMS]
+    got = xp.weighted_merges(bench, sets, weights=[0.5, 1.0], iters=30)
+    assert len(got) == 2 * 2 * len(xp.MERGES) and set(got.method) == set(xp.MERGES)
+    one = got[got["weight on family"] == 1.0]
+    assert all(one[f][one.family == f].eq(1.0).all() for f in FAMS)   # every merge = the adapter
+    assert one.answer_loss.round(4).nunique() == 2                       # one loss per adapter
+    half = got[got["weight on family"] == 0.5]                   # with two families, 0.5 is the equal merge
+    assert half.groupby("method").answer_loss.nunique().eq(1).all()       # either family weighted
+    c4 = pd.DataFrame({"t1": [0.1, 0.2, 0.3, 1.0, 0.0], "t2": [0.2, 0.2, 0.4, 0.0, 1.0],
+                       "answer_loss": [3.0, 3.5, 3.2, 2.0, 2.5]},
+                      index=["naive", "svd_of_mean", "quotient", "adapter t1 alone", "adapter t2 alone"])
+    t = xp.weight_table(got[got["weight on family"] == 0.5].assign(**{"weight on family": 0.75}), c4, FAMS)
+    assert list(pd.unique(t.measure))[0] == "exact match, family"
+    assert list(pd.unique(t.family)) == FAMS and list(pd.unique(t.method)) == list(xp.MERGES)
+    assert sorted(pd.unique(t["weight on family"])) == [0.5, 0.75, 1.0]
+    row = t[(t.family == "t2") & (t.method == "quotient Fréchet") & (t["weight on family"] == 0.5)]
+    vals = dict(zip(row.measure, row.value))
+    assert vals["exact match, family"] == 0.4
+    assert np.isclose(vals["exact match, others"], 0.3)
+    assert np.isclose(vals["exact match, all"], 0.35)
+    assert vals["answer loss"] == 3.2
+    at_one = t[(t["weight on family"] == 1.0) & (t.measure == "exact match, family")]
+    assert at_one.value.eq(1.0).all()

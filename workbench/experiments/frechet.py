@@ -4,7 +4,8 @@ quotient manifold, :mod:`workbench.methods.frechet`).
 The LoRA side: held-out prompts of the pool's families, a :class:`Bench` that scores an adapter
 slot of the ``PeftModel`` (the answer loss on a mixed batch, exact match per family) and writes
 merged factors into a slot, the reparameterization draws of C1 and C2, the identity check, and
-``peft``'s own merges as the baselines of C4. The MLP side (C3, C5): two ReLU MLPs trained on
+``peft``'s own merges as the baselines of C4, and for the explorer the merges with one family
+weighted up (:func:`weighted_merges`, :func:`weight_table`). The MLP side (C3, C5): two ReLU MLPs trained on
 digits from different inits, their test metrics, the interpolation path and its loss barrier,
 the relabelling check, and the flat parameter vector the Fisher merge works on.
 """
@@ -24,7 +25,7 @@ from ..methods import frechet as fr
 __all__ = ["train_prompts", "eval_sets", "pool_table", "Bench", "reparam_draws", "identity_errors",
            "add_peft_merges", "score_merges", "karcher_gap", "mlp_forward", "train_mlp",
            "evaluate_mlp", "interpolation_path", "midpoints", "relabel_change", "flat", "unflat",
-           "fisher_errors"]
+           "fisher_errors", "MERGES", "weighted_merges", "weight_table"]
 
 POOL_TRAIN_SEED = 7     # the generator seed the zoo's LoRA pool drew its training prompts with
 
@@ -280,3 +281,54 @@ def fisher_errors(closed: torch.Tensor, numeric: torch.Tensor, fishers, eps: flo
     err = float((((closed - numeric) ** 2 * metric).sum() / (closed ** 2 * metric).sum()).sqrt())
     maxabs = float((closed - numeric).abs().max() / closed.abs().max())
     return err, maxabs
+
+
+# -- the explorer: the merge weights -----------------------------------------------------------------
+
+# the explorer's merges: name -> (their row in score_merges' table, the per-module merge)
+MERGES = {"quotient Fréchet": ("quotient", fr.merge_quotient),
+          "naive factor average": ("naive", fr.merge_naive),
+          "SVD of the mean": ("svd_of_mean", fr.merge_svd)}
+
+
+def weighted_merges(bench: Bench, sets: list, weights, iters: int) -> pd.DataFrame:
+    """Every merge of :data:`MERGES` with weight ``w`` on one family and ``(1 - w) / (N - 1)`` on
+    each other, for each family and each ``w`` in ``weights``: exact match per family and the
+    answer loss (a row per ``family`` weighted up, ``weight on family`` and ``method``)."""
+    rows, n = [], len(bench.families)
+    for i, f in enumerate(bench.families):
+        for w in weights:
+            ws = [w if j == i else (1 - w) / (n - 1) for j in range(n)]
+            for name, (_, how) in MERGES.items():
+                kw = {"iters": iters} if how is fr.merge_quotient else {}
+                slot = bench.slot("explore", fr.merge_modules(sets, how, weights=ws, **kw)[0])
+                rows.append({"family": f, "weight on family": float(w), "method": name,
+                             **bench.accuracy(slot), "answer_loss": bench.loss(slot)})
+    return pd.DataFrame(rows)
+
+
+def weight_table(weighted: pd.DataFrame, c4: pd.DataFrame, families: list) -> pd.DataFrame:
+    """:func:`weighted_merges` with the two ends :func:`score_merges` already scored (equal
+    weights 1/N, and weight 1: the family's adapter alone, which every merge returns), in long
+    form: per ``family`` weighted up, ``weight on family``, ``method`` (the merge) and
+    ``measure`` (exact match on that family, on the others, on all; the answer loss) a ``value``."""
+    ends = []
+    for f in families:
+        for name, (row, _) in MERGES.items():
+            for w, at in ((1 / len(families), row), (1.0, f"adapter {f} alone")):
+                ends.append({"family": f, "weight on family": w, "method": name,
+                             **c4.loc[at, [*families, "answer_loss"]].to_dict()})
+    wide = pd.concat([weighted, pd.DataFrame(ends)], ignore_index=True)
+    em = wide[families].to_numpy(float)
+    own = np.array([families.index(f) for f in wide.family])
+    wide["exact match, family"] = em[np.arange(len(wide)), own]
+    wide["exact match, others"] = (em.sum(1) - em[np.arange(len(wide)), own]) / (len(families) - 1)
+    wide["exact match, all"] = em.mean(1)
+    wide["answer loss"] = wide.answer_loss
+    measures = [c for c in wide.columns if c.startswith(("exact match", "answer loss"))]
+    rank = {k: i for i, k in enumerate([*measures, *families, *MERGES])}   # the order declared
+    return (wide.melt(id_vars=["family", "weight on family", "method"], value_vars=measures,
+                      var_name="measure", value_name="value")
+            .sort_values(["measure", "family", "method", "weight on family"],
+                         key=lambda c: c if c.name == "weight on family" else c.map(rank))
+            .reset_index(drop=True))
