@@ -83,3 +83,22 @@ def test_limits_name_the_zoo_and_the_task_families():
     lim = X.limits()
     assert "lm-tiny" in lim["model_name"] and "add" in lim["task_family"]
     assert lim["compress_ratio"] == (0, 0.999)
+
+
+def test_block_nll_gives_evaluates_perplexity():
+    from workbench import evaluate
+    model = _tiny_lm()
+    blocks = torch.randint(0, 50, (5, 12), generator=torch.Generator().manual_seed(0))
+    nll = X.block_nll(model, blocks, batch=2)
+    assert nll.shape == (5,)
+    assert math.isclose(math.exp(nll.mean()), evaluate.perplexity(model, blocks), rel_tol=1e-6)
+
+
+def test_compare_signs_a_win_of_the_first_run_positive():
+    import numpy as np
+    rows = {"a": {"nll": np.full(50, 2.0), "correct": np.ones(50)},
+            "b": {"nll": np.full(50, 2.5), "correct": np.r_[np.ones(25), np.zeros(25)]}}
+    out = X.compare(rows, "a", "b")
+    assert math.isclose(out["nll"]["diff"], 0.5) and out["nll"]["low"] > 0   # a: lower NLL
+    assert math.isclose(out["acc"]["diff"], 0.5) and out["acc"]["low"] > 0   # a: more correct
+    assert X.row_table({"a": {"ppl": 1.0, "nll": rows["a"]["nll"]}}).columns.tolist() == ["ppl"]

@@ -1,13 +1,16 @@
 """The experiments of notebook 10: Hestia, operator-faithful differentiable QAT for extremely
 low-bit LLMs (the method itself is :mod:`workbench.methods.hestia`).
 
-The harness loads a zoo backbone and builds the QAT data (a fixed stream of corpus windows and
-packed task lines, the same for every method) and the held-out evaluation sets; scores the two
-reference rows (full precision, ternary rounding without training); computes the offline Hessian
-traces and their temperature scales; runs the QAT comparison (STE, Hestia with one global
-schedule, the matched global control, Hestia with Hessian schedules); checks each quantizer's
-forward against its backward; times a training step of each mode; writes the final model as a
-GGUF file and reads it back; and gathers the evidence of the claims.
+The harness loads a zoo backbone (``lm-qbed`` by default: the quantization-sensitive bed) and
+builds the QAT data (a fixed stream of corpus windows and packed task lines, the same for every
+method) and the held-out evaluation sets; scores the two reference rows (full precision, ternary
+rounding without training) per held-out block and per task item; computes the offline Hessian
+traces (Hutch++, shared per block by default, as the public calibrator) and their temperature
+scales; runs the QAT comparison (STE, Hestia with one global schedule, the matched global
+control, Hestia with Hessian schedules); compares two runs on the same items with a paired
+bootstrap; checks each quantizer's forward against its backward; times a training step of each
+mode; writes the final model as a GGUF file and reads it back; and gathers the evidence of the
+claims.
 """
 from __future__ import annotations
 
@@ -22,19 +25,23 @@ import pandas as pd
 import torch
 
 from workbench import evaluate
+from workbench.diagnostics import paired_bootstrap
 from workbench import quant as Q
 from workbench.data import corpus, packing, tasks
 from workbench.methods import hestia as M
 from workbench.models import zoo
+from workbench.models.recipes import difficulties
 from workbench.plots import subplots
 
-__all__ = ["LIMITS", "KEY", "COLOR", "limits", "qat_config", "train_stream", "Bed", "load_bed",
-           "reference_rows", "sensitivities", "trace_table", "qat_methods", "qat_run",
-           "qat_metrics", "consistency", "step_time", "step_times", "export_gguf", "c2_evidence", "schedule_figure"]
+__all__ = ["LIMITS", "KEY", "COLOR", "limits", "qat_config", "train_stream", "block_nll",
+           "task_items", "item_scores", "Bed", "load_bed", "reference_rows", "sensitivities",
+           "trace_table", "qat_methods", "qat_run", "qat_metrics", "row_table", "compare", "consistency",
+           "step_time", "step_times", "export_gguf", "c2_evidence", "schedule_figure"]
 
 # the knobs' and sizes' allowed values, checked by run.sizes before anything runs
 LIMITS = {"steps": (10, None), "batch": (1, None), "lr": (1e-12, None), "t0": (1e-12, None),
-          "compress_ratio": (0, 0.999), "alpha": (0, None), "kappa": (1e-12, None)}
+          "compress_ratio": (0, 0.999), "alpha": (0, None), "kappa": (1e-12, None),
+          "granularity": list(M.GRANULARITIES), "trace_estimator": ["hutchpp", "hutchinson"]}
 # the four QAT runs: label -> the metric-name stem
 KEY = {"STE (absmean)": "ste", "Hestia, global T": "hestia_global",
        "Hestia, global T x mean scale": "hestia_global_matched", "Hestia, Hessian T": "hestia_hessian"}
@@ -76,6 +83,37 @@ def train_stream(tok, ctx: int, n_blocks: int, seed: int, task_fraction: float =
     return blocks[torch.randperm(len(blocks), generator=g)]
 
 
+def block_nll(model, blocks: torch.Tensor, batch: int = 16) -> np.ndarray:
+    """Mean next-token negative log-likelihood of each ``(ctx)`` block: the per-item scores of a
+    paired comparison; ``exp`` of their mean is ``evaluate.perplexity`` (blocks of one length)."""
+    device = next(model.parameters()).device
+    out = []
+    with torch.no_grad():
+        for i in range(0, len(blocks), batch):
+            x = blocks[i: i + batch].to(device)
+            logits = model(input_ids=x).logits[:, :-1].float()
+            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), x[:, 1:],
+                                                    reduction="none")
+            out.append(nll.mean(1).cpu().double())
+    return torch.cat(out).numpy()
+
+
+def task_items(family: str, n: int, seed: int, easiest: int | None) -> list:
+    """The ``n`` examples ``evaluate.task_accuracy`` scores (spread over the family's
+    ``easiest`` difficulties, all when None)."""
+    ds = difficulties(family, easiest)
+    return [e for d in ds for e in tasks.generate(family, -(-n // len(ds)), seed, d)][:n]
+
+
+def item_scores(model, tok, examples) -> np.ndarray:
+    """Per example, the verifier's score (exact match) of the greedy completion, as
+    ``evaluate.exact_match`` computes their mean."""
+    longest = max(len(tok(e.completion(False), add_special_tokens=False)["input_ids"])
+                  for e in examples)
+    comps = evaluate.generate(model, tok, [e.prompt for e in examples], max_new_tokens=longest + 2)
+    return np.array([tasks.score(e, c) for e, c in zip(examples, comps)], dtype=float)
+
+
 @dataclass
 class Bed:
     """The backbone, its QAT data and its evaluation sets."""
@@ -103,15 +141,27 @@ class Bed:
         return evaluate.task_accuracy(model, self.tok, self.task_family, self.task_examples,
                                       seed=777, easiest=self.card["recipe"].get("easiest"))
 
+    def final_row(self, model) -> dict:
+        """The final scores, with the per-item ones a paired comparison needs: ``nll`` per
+        held-out block (``ppl`` is ``exp`` of their mean) and ``correct`` per task example."""
+        nll = block_nll(model, self.held_final)
+        exs = task_items(self.task_family, self.task_examples, 777,
+                         self.card["recipe"].get("easiest"))
+        correct = item_scores(model, self.tok, exs)
+        return {"ppl": float(np.exp(nll.mean())), "acc": float(correct.mean()), "nll": nll,
+                "correct": correct}
+
 
 def load_bed(model_name: str, scale: str, S: dict, cfg: M.QATConfig, seed: int, device,
              task_family: str) -> Bed:
     """Load the zoo backbone (built on first use), the QAT stream of ``cfg.steps * cfg.batch``
-    blocks (or the scale's ``train_blocks``) and the held-out sets (a seeded subset)."""
+    blocks (or the scale's ``train_blocks``) and the held-out sets (a seeded subset), in blocks of
+    the scale's ``ctx`` tokens (0 or None: the backbone's context)."""
     t_load = time.time()
     base, tok = zoo.load(model_name, scale, device=str(device))
     load_s = time.time() - t_load
-    ctx = base.config.max_position_embeddings
+    ctx = min(S.get("ctx") or base.config.max_position_embeddings,
+              base.config.max_position_embeddings)
     n_blocks = S["train_blocks"] or cfg.steps * cfg.batch
     data = train_stream(tok, ctx, n_blocks, seed=seed, task_fraction=S["task_fraction"])
     held = corpus.heldout_blocks(tok, ctx)
@@ -123,32 +173,38 @@ def load_bed(model_name: str, scale: str, S: dict, cfg: M.QATConfig, seed: int, 
 
 
 def reference_rows(bed: Bed) -> tuple[dict, dict]:
-    """The two reference rows (full precision; absmean ternary rounding, no training) and the
-    ternary layers' sizes: ``(rows, {"n_ternary_weights", "n_tensors"})``."""
+    """The two reference rows (full precision; absmean ternary rounding, no training; each
+    :meth:`Bed.final_row`) and the ternary layers' sizes: ``(rows, {"n_ternary_weights",
+    "n_tensors"})``."""
     ptq = copy.deepcopy(bed.base)
     layers_ptq = M.ternarize(ptq, "hard")
     n_ternary = sum(m.weight.numel() for m in layers_ptq.values())
-    rows = {"full precision": {"ppl": bed.final_ppl(bed.base), "acc": bed.accuracy(bed.base)},
-            "ternary PTQ (no QAT)": {"ppl": bed.final_ppl(ptq), "acc": bed.accuracy(ptq)}}
+    rows = {"full precision": bed.final_row(bed.base), "ternary PTQ (no QAT)": bed.final_row(ptq)}
     return rows, {"n_ternary_weights": n_ternary, "n_tensors": len(layers_ptq)}
 
 
-def sensitivities(bed: Bed, S: dict, seed: int, device, kappa: float, alpha: float) -> dict:
-    """Hutchinson traces of every ternary tensor on the full-precision model (once, before QAT)
-    and the temperature scales they give: ``names``, ``traces``, ``temp_scales``,
-    ``sensitivity`` and ``seconds``."""
+def sensitivities(bed: Bed, S: dict, seed: int, device, kappa: float, alpha: float,
+                  estimator: str = "hutchpp", granularity: str = "layer") -> dict:
+    """Hessian traces of the ternary tensors on the full-precision model (once, before QAT;
+    ``M.hessian_traces`` with the scale's ``trace_sketch`` and ``trace_query`` for Hutch++ or
+    ``trace_probes`` for Hutchinson, shared per ``granularity`` group) and the temperature scales
+    they give: ``names``, ``traces``, ``temp_scales``, ``sensitivity``, ``groups`` and
+    ``seconds``."""
     t_tr = time.time()
     fp_model = copy.deepcopy(bed.base)
     M.ternarize(fp_model, "fp")
     tnames = list(M.ternary_layers(fp_model))
     calib = corpus.calibration_blocks(bed.tok, bed.ctx, S["trace_blocks"], seed=10_000 + seed)
     traces_w = M.hessian_traces(fp_model, [n + ".weight" for n in tnames], calib.to(device),
+                                estimator=estimator, granularity=granularity,
+                                num_sketch=S["trace_sketch"], num_query=S["trace_query"],
                                 n_samples=S["trace_probes"], seed=seed)
     traces = {n: traces_w[n + ".weight"] for n in tnames}
     del fp_model
     temp_scales, sensitivity = M.temperature_scales(traces, kappa=kappa, alpha=alpha)
     return {"names": tnames, "traces": traces, "temp_scales": temp_scales,
-            "sensitivity": sensitivity, "seconds": time.time() - t_tr}
+            "sensitivity": sensitivity, "groups": len(M.trace_groups(tnames, granularity)),
+            "seconds": time.time() - t_tr}
 
 
 def trace_table(sens: dict) -> pd.DataFrame:
@@ -175,14 +231,14 @@ def qat_methods(temp_scales: dict) -> tuple[dict, float]:
 def qat_run(bed: Bed, cfg: M.QATConfig, mode: str, scales: dict | None,
             progress=lambda it, **kw: it) -> tuple:
     """One QAT run from the pretrained backbone: ``(model, history, row)``, the row holding the
-    hard model's final perplexity and accuracy, the never-flipped and changed fractions, and
-    the run's seconds."""
+    hard model's final scores (:meth:`Bed.final_row`), the never-flipped and changed fractions,
+    and the run's seconds."""
     t_run = time.time()
     model = copy.deepcopy(bed.base)
     M.ternarize(model, mode)
     hist = M.qat(model, bed.data, cfg, mode, scales, evaluate=bed.score, progress=progress)
     with M.mode_as(model, "hard"):
-        row = {"ppl": bed.final_ppl(model), "acc": bed.accuracy(model)}
+        row = bed.final_row(model)
     fl = hist["flips"]
     row.update(never_flipped=fl.never_flipped(), changed=fl.changed_overall(),
                seconds=time.time() - t_run)
@@ -198,6 +254,20 @@ def qat_metrics(rows: dict, hists: dict) -> dict:
                     f"never_flipped_{k}": rows[label]["never_flipped"],
                     f"changed_{k}": rows[label]["changed"], f"ppl_curve_{k}": hists[label]["hard"]})
     return out
+
+
+def row_table(rows: dict) -> pd.DataFrame:
+    """The rows as a table, without the per-item scores."""
+    return pd.DataFrame({k: {c: v for c, v in r.items() if c not in ("nll", "correct")}
+                         for k, r in rows.items()}).T
+
+
+def compare(rows: dict, a: str, b: str, seed: int = 0) -> dict:
+    """Run ``a`` against run ``b`` on the same items, ``diagnostics.paired_bootstrap``: ``nll``,
+    the held-out NLL per block of ``b`` minus ``a`` (> 0: ``a`` has the lower perplexity), and
+    ``acc``, the exact match per example of ``a`` minus ``b``; each ``{diff, low, high, ...}``."""
+    return {"nll": paired_bootstrap(rows[b]["nll"], rows[a]["nll"], seed=seed),
+            "acc": paired_bootstrap(rows[a]["correct"], rows[b]["correct"], seed=seed)}
 
 
 def consistency(models: dict, cfg: M.QATConfig, seed: int) -> dict:
