@@ -1,5 +1,5 @@
-"""The GSQ harness (notebook 14): the layer swap, per-layer errors, the ablation's solved scales,
-the gap and slope helpers, and the readers' agreement check."""
+"""The GSQ harness (notebook 14): the layer swap, per-layer errors, the baselines, the ablations'
+solved scales, the row names, the gap and slope helpers, and the readers' agreement check."""
 import math
 
 import torch
@@ -7,7 +7,6 @@ from torch import nn
 
 from workbench import quant as Q
 from workbench.experiments import gsq as X
-from workbench.methods import gsq as M
 
 
 class _Two(nn.Module):
@@ -61,9 +60,28 @@ def test_solved_scales_never_do_worse_than_the_assignment_s_own_scales():
         lin.weight.copy_(w)
     bed = X.Bed(model=None, tok=None, card={}, calib=None, held=None, layers={"l": lin},
                 H={"l": H}, ppl_fp=0.0, load_s=0.0, t_start=0.0)
-    solved = X.gptq_solved_scales(bed, {"l": {"q": q}}, 32)["l"]
+    solved = X.solved_scales(bed, {"l": {"q": q}}, 32)["l"]
     assert solved.shape == w.shape
     assert Q.output_error(w, solved, H) <= Q.output_error(w, q.dequantize(), H) * (1 + 1e-5)
+
+
+def test_baseline_quantizes_every_layer_on_its_grid():
+    g = torch.Generator().manual_seed(1)
+    lin = nn.Linear(64, 8, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(8, 64, generator=g))
+    bed = X.Bed(model=None, tok=None, card={}, calib=None, held=None, layers={"l": lin},
+                H={"l": _hessian(64)}, ppl_fp=0.0, load_s=0.0, t_start=0.0)
+    for method, ref in (("rtn", Q.rtn(lin.weight.detach(), 3, 32)),
+                        ("gptq", Q.gptq(lin.weight.detach(), bed.H["l"], 3, 32))):
+        w, info = X.baseline(bed, method, 3, 32)
+        assert torch.equal(w["l"], ref.dequantize()) and torch.equal(info["l"]["q"].codes, ref.codes)
+
+
+def test_rows_name_the_variant():
+    """The verdict table says which rows are the published method and which are our ablations."""
+    assert X.NAMES["gsq"] == "GSQ (as published)"
+    assert all("ablation, ours" in X.NAMES[a] for a in X.ABLATIONS)
 
 
 def test_gap_closed_and_loglog_slope():
@@ -82,5 +100,5 @@ def test_readers_agree_needs_exact_codes_and_matching_perplexities():
 
 
 def test_timing_sweep_times_one_layer_per_width():
-    sizes, secs = X.timing_sweep([32, 64], steps=2, lr=M.GSQConfig().lr, seed=0)
+    sizes, secs = X.timing_sweep([32, 64], steps=2, seed=0, tokens=16)
     assert sizes == [32 * 32, 64 * 64] and len(secs) == 2 and all(s > 0 for s in secs)

@@ -3,9 +3,10 @@
 
 The harness loads the zoo's quantization bed with its calibration Hessians and held-out blocks;
 measures how sensitive the backbone is to its block weights; quantizes every block linear with
-RTN, GPTQ and GSQ at each bit width (and the ablation that only re-solves GPTQ's scales); scores
-the zero-shot task; writes gguf-py's Q4_0 assignment and GSQ's as GGUF files and reads them back
-three ways; and times GSQ against layer size.
+RTN, GPTQ and GSQ as published (IST-DASLab/GSQ, started from GPTQ) at each bit width, and the two
+ablations of ours that re-solve the scales of GPTQ's and of GSQ's assignment in closed form;
+scores the zero-shot task; writes gguf-py's Q4_0 assignment and GSQ's as GGUF files and reads
+them back three ways; and times GSQ against layer size.
 """
 from __future__ import annotations
 
@@ -25,16 +26,19 @@ from workbench.methods import gsq as M
 from workbench.models import zoo
 from workbench.plots import subplots
 
-__all__ = ["LIMITS", "METHODS", "NAMES", "LLAMA_CPP_PPL_RTOL", "limits", "swapped",
+__all__ = ["LIMITS", "METHODS", "ABLATIONS", "NAMES", "LLAMA_CPP_PPL_RTOL", "limits", "swapped",
            "layer_errors", "gap_closed", "loglog_slope", "Bed", "load_bed", "weight_noise",
-           "quantize_all", "gptq_solved_scales", "ppl_metrics", "ppl_table", "flips", "layer_error_means",
-           "diagnostics_figure", "task_scores", "q4_0_round_trip", "readers_agree",
-           "timing_sweep", "timing_figure"]
+           "baseline", "quantize_all", "solved_scales", "ppl_metrics", "ppl_table", "flips",
+           "layer_error_means", "diagnostics_figure", "task_scores", "q4_0_round_trip",
+           "readers_agree", "timing_sweep", "timing_figure"]
 
-LIMITS = {"group_size": [32 * k for k in range(1, 65)], "gsq_steps": (2, None),
+LIMITS = {"group_size": [32 * k for k in range(1, 65)], "gsq_steps": (0, None),
           "n_calib": (1, None)}
 METHODS = ("rtn", "gptq", "gsq")
-NAMES = {"rtn": "RTN", "gptq": "GPTQ", "gptq+scales": "GPTQ + solved scales", "gsq": "GSQ"}
+ABLATIONS = ("gptq+scales", "gsq+scales")
+NAMES = {"rtn": "RTN", "gptq": "GPTQ", "gsq": "GSQ (as published)",
+         "gptq+scales": "GPTQ + solved scales (ablation, ours)",
+         "gsq+scales": "GSQ + solved scales (ablation, ours)"}
 LLAMA_CPP_PPL_RTOL = 0.01        # llama.cpp's Q8_0 activations against the float model
 
 
@@ -146,48 +150,70 @@ def weight_noise(bed: Bed, levels, seed: int, device) -> tuple[dict, float]:
     return sensitivity, zeroed
 
 
-def gptq_solved_scales(bed: Bed, info: dict, group_size: int) -> dict:
-    """The ablation: GPTQ's assignment with the scales re-solved in closed form (eq. 4)."""
+def solved_scales(bed: Bed, info: dict, group_size: int) -> dict:
+    """The ablations (ours, not the paper's): an assignment's levels (GPTQ's or GSQ's) with the
+    scales re-solved in closed form for the layer-wise objective (eq. 4,
+    :func:`workbench.methods.gsq.optimal_scales`)."""
     wq = {}
     for n, i in info.items():
         lv = i["q"].level_index.float()
         s = M.optimal_scales(bed.layers[n].weight.detach()[None].float(), bed.H[n][None],
                              lv[None], group_size)[0]
-        wq[n] = Q.expand_groups(s, group_size, lv.shape[1]) * lv
+        ok = torch.isfinite(s) & (s * i["q"].scale > 0)          # keep the sign, never zero
+        wq[n] = Q.expand_groups(torch.where(ok, s, i["q"].scale), group_size, lv.shape[1]) * lv
     return wq
 
 
+def baseline(bed: Bed, method: str, bits: int, group_size: int) -> tuple[dict, dict]:
+    """RTN or GPTQ (layer-wise, on the full-precision model's Hessians) of every block linear:
+    ``(name -> dequantized weight, name -> {"q", "seconds"})``."""
+    weights, info = {}, {}
+    for n, lin in bed.layers.items():
+        t = time.time()
+        w = lin.weight.detach()
+        q = Q.rtn(w, bits, group_size) if method == "rtn" else Q.gptq(w, bed.H[n], bits,
+                                                                        group_size)
+        weights[n], info[n] = q.dequantize(), {"q": q, "seconds": time.time() - t}
+    return weights, info
+
+
 def quantize_all(bed: Bed, bits_list, group_size: int, cfg: M.GSQConfig, seed: int) -> dict:
-    """(method, bits) -> perplexity, weights, per-layer info, seconds and per-layer errors, for
-    RTN, GPTQ and GSQ (started from GPTQ's assignment) at each bit width, then the
-    ``gptq+scales`` ablation; prints a line per quantization."""
+    """(method, bits) -> perplexity, weights, per-layer info, seconds (wall and this process'
+    CPU: one thread, so CPU seconds are what a quiet machine's wall clock would show) and
+    per-layer errors, for RTN, GPTQ and GSQ as published (started from GPTQ's codes and scales)
+    at each bit width, then the two solved-scales ablations; prints a line per quantization."""
     results = {}
     for bits in bits_list:
         for method in METHODS:
-            t = time.time()
-            init = None if method != "gsq" else {n: results[("gptq", bits)]["info"][n]["q"]
-                                                 for n in bed.layers}
-            weights, info = M.quantize_model(bed.model, bed.H, method, bits, group_size, cfg,
-                                             seed=seed, init=init)
-            secs = time.time() - t
+            t, cpu = time.time(), time.process_time()
+            if method == "gsq":
+                init = {n: i["q"] for n, i in results[("gptq", bits)]["info"].items()}
+                weights, info = M.quantize_model(bed.model, bed.calib, init, cfg, seed=seed)
+            else:
+                weights, info = baseline(bed, method, bits, group_size)
+            secs, cpu = time.time() - t, time.process_time() - cpu
             ppl = bed.ppl(weights)
             results[(method, bits)] = {"ppl": ppl, "weights": weights, "info": info, "s": secs,
-                                       "err": layer_errors(bed.model, bed.H, weights)}
-            print(f"{bits} bit {method:5s} ppl {ppl:8.3f}   {secs:5.1f} s")
-        wq = gptq_solved_scales(bed, results[("gptq", bits)]["info"], group_size)
-        results[("gptq+scales", bits)] = {"ppl": bed.ppl(wq)}
+                                       "cpu": cpu, "err": layer_errors(bed.model, bed.H, weights)}
+            print(f"{bits} bit {method:5s} ppl {ppl:8.3f}   {secs:5.1f} s ({cpu:5.1f} s CPU)")
+        for ab in ABLATIONS:
+            wq = solved_scales(bed, results[(ab.split("+")[0], bits)]["info"], group_size)
+            results[(ab, bits)] = {"ppl": bed.ppl(wq)}
     return results
 
 
 def ppl_metrics(results: dict, bits_list) -> dict:
-    """``ppl_{method}_{bits}bit`` and ``seconds_{method}_{bits}bit`` of RTN, GPTQ and GSQ, and
-    ``ppl_gptq_scales_{bits}bit`` of the ablation."""
+    """``ppl_{method}_{bits}bit``, ``seconds_{method}_{bits}bit`` and
+    ``cpu_seconds_{method}_{bits}bit`` of RTN, GPTQ and GSQ, and ``ppl_gptq_scales_{bits}bit``,
+    ``ppl_gsq_scales_{bits}bit`` of the ablations."""
     out = {}
     for bits in bits_list:
         for m in METHODS:
             out.update({f"ppl_{m}_{bits}bit": results[(m, bits)]["ppl"],
-                        f"seconds_{m}_{bits}bit": results[(m, bits)]["s"]})
-        out[f"ppl_gptq_scales_{bits}bit"] = results[("gptq+scales", bits)]["ppl"]
+                        f"seconds_{m}_{bits}bit": results[(m, bits)]["s"],
+                        f"cpu_seconds_{m}_{bits}bit": results[(m, bits)]["cpu"]})
+        for ab in ABLATIONS:
+            out[f"ppl_{ab.split('+')[0]}_scales_{bits}bit"] = results[(ab, bits)]["ppl"]
     return out
 
 
@@ -200,9 +226,11 @@ def ppl_table(results: dict, bits_list, group_size: int, ppl_fp: float) -> pd.Da
 
 
 def flips(results: dict, bits: int) -> np.ndarray:
-    """GSQ's assignment flips per step, summed over the layer batches, at ``bits``."""
+    """GSQ's assignment flips per step, summed over the sub-blocks, at ``bits`` (a single 0
+    when GSQ ran no step)."""
     hists = {id(i["hist"]): i["hist"] for i in results[("gsq", bits)]["info"].values()}
-    return np.sum([h["flips"] for h in hists.values()], axis=0)
+    f = np.sum([h["flips"] for h in hists.values()], axis=0)
+    return f if np.size(f) else np.zeros(1, dtype=int)
 
 
 def layer_error_means(results: dict, bits_list) -> dict:
@@ -220,7 +248,7 @@ def diagnostics_figure(results: dict, layer_names: list, bits_list):
         f = flips(results, bits)
         ax.plot(np.arange(1, len(f) + 1), np.maximum(f, 0.5), label=f"{bits} bit")
     ax.set_yscale("log")
-    ax.set_xlabel("GSQ step")
+    ax.set_xlabel("GSQ step (each sub-block)")
     ax.set_ylabel("assignment flips (all layers, log)")
     ax.set_title("GSQ: level changes per step")
     ax.legend()
@@ -274,15 +302,15 @@ def _q4_0_file(bed: Bed, label: str, codes: dict, path, name: str, metadata: dic
 
 def q4_0_round_trip(bed: Bed, cfg: M.GSQConfig, seed: int, out_dir, model_name: str,
                     device) -> dict:
-    """gguf-py's own Q4_0 quantization of every block weight, GSQ started from it (groups of
-    32, 4 bits), both written as GGUF files and read back: ``reader`` (llama.cpp when installed,
+    """gguf-py's own Q4_0 quantization of every block weight, GSQ as published started from it
+    (groups of 32, 4 bits: shifts {-2..2} around the file's codes), both written as GGUF files and read back: ``reader`` (llama.cpp when installed,
     else transformers), ``files`` (label -> what each reader found), ``ppl_start``,
-    ``ppl_gsq`` (the deciding reader's perplexities) and ``seconds`` (GSQ's)."""
+    ``ppl_gsq`` (the deciding reader's perplexities), ``seconds`` and ``cpu_seconds`` (GSQ's)."""
     start = {n: Q.gguf.q4_0_quantized(lin.weight.detach().cpu().numpy())
              for n, lin in bed.layers.items()}
-    t = time.time()
-    _, info_q4 = M.quantize_model(bed.model, bed.H, "gsq", 4, 32, cfg, seed=seed, init=start)
-    secs = time.time() - t
+    t, cpu = time.time(), time.process_time()
+    _, info_q4 = M.quantize_model(bed.model, bed.calib, start, cfg, seed=seed)
+    secs, cpu = time.time() - t, time.process_time() - cpu
     assignments = {"gguf-py Q4_0": {n + ".weight": q for n, q in start.items()},
                    "GSQ Q4_0": {n + ".weight": i["q"] for n, i in info_q4.items()}}
     reader = "llama.cpp" if Q.gguf.have_llama_cpp() else "transformers"
@@ -295,7 +323,7 @@ def q4_0_round_trip(bed: Bed, cfg: M.GSQConfig, seed: int, out_dir, model_name: 
     ppl_key = "ppl_llama_cpp" if reader == "llama.cpp" else "ppl_transformers"
     ppl_start, ppl_gsq = (files[k][ppl_key] for k in assignments)
     return {"reader": reader, "files": files, "ppl_start": ppl_start, "ppl_gsq": ppl_gsq,
-            "seconds": secs}
+            "seconds": secs, "cpu_seconds": cpu}
 
 
 def readers_agree(files: dict) -> bool:
@@ -307,22 +335,27 @@ def readers_agree(files: dict) -> bool:
                for r in files.values())
 
 
-def timing_sweep(dims, steps: int, lr: float, seed: int) -> tuple[list, list]:
-    """Seconds of GSQ (3 bits, groups of 32, started from RTN) on one synthetic square layer of
-    each width in ``dims`` (Hessian from 4 x width Gaussian inputs), after a 2-step warm-up:
-    ``(weights per layer, seconds)``."""
+def _linear(x, weights: dict):
+    """A one-linear sub-block ``x W^T`` (the timing sweep's)."""
+    return x @ weights["w"].T
+
+
+def timing_sweep(dims, steps: int, seed: int, tokens: int = 512) -> tuple[list, list]:
+    """Seconds of GSQ's loop (3 bits, groups of 32, started from RTN, the reference's settings)
+    on a one-linear sub-block ``x W^T`` of each width in ``dims``, ``tokens`` Gaussian input rows
+    per step, after a 2-step warm-up: ``(weights per layer, seconds)``."""
     gen = torch.Generator().manual_seed(seed)
-    tcfg = M.GSQConfig(steps=steps, lr=lr)
     sizes, secs = [], []
     for dim in dims:
-        X = torch.randn(4 * dim, dim, generator=gen)
-        Hd = 2 / len(X) * X.T @ X
+        x = torch.randn(4 * tokens, dim, generator=gen)
         W = torch.randn(dim, dim, generator=gen) / dim ** 0.5
         q0 = Q.rtn(W, 3, 32)
-        one = Q.Quantized(q0.codes[None], q0.scale[None], q0.zero[None], 3, 32)
-        M.gsq(W[None], Hd[None], one, M.GSQConfig(steps=2), gen)          # warm-up
+        warm = M.GSQConfig(steps=2, batch=tokens)
+        M.train_subblock(_linear, {"w": M.GumbelQuantizer(q0, warm, gen)}, x, x @ W.T, warm, gen)
+        cfg = M.GSQConfig(steps=steps, batch=tokens)
+        gq = M.GumbelQuantizer(q0, cfg, gen)
         t = time.perf_counter()
-        M.gsq(W[None], Hd[None], one, tcfg, gen)
+        M.train_subblock(_linear, {"w": gq}, x, x @ W.T, cfg, gen)
         sizes.append(dim * dim)
         secs.append(time.perf_counter() - t)
     return sizes, secs

@@ -1,89 +1,273 @@
-"""GSQ: Gumbel-Softmax scalar quantization (paper 14, ``papers/14-gsq.md``).
+"""GSQ: Gumbel-Softmax scalar quantization (paper 14, ``papers/14-gsq.md``), as the official code
+IST-DASLab/GSQ defines it.
 
-Post-training scalar quantization that *learns* which grid level each weight takes. A weight
-row is stored on a symmetric, group-wise scalar grid, ``w_hat_i = s_{g(i)} * l_{c_i}`` with levels
-``l in {-2^(b-1), ..., 2^(b-1) - 1}`` (4 levels at 2 bits, 8 at 3 bits; 3 for ternary) and one
-scale ``s_g`` per group of ``g`` inputs. RTN picks ``c_i`` by rounding, GPTQ by rounding with
-error feedback; GSQ relaxes the discrete choice with a Gumbel-Softmax over the ``K`` levels,
+Post-training scalar quantization that *learns* which grid level each weight takes. A weight is
+stored on a symmetric, group-wise scalar grid, ``w_hat_i = s_{g(i)} * l_i`` with integer levels
+``l in {-2^(b-1), ..., 2^(b-1) - 1}`` and one scale ``s_g`` per group of ``g`` inputs. GSQ starts
+from GPTQ's levels and relaxes the choice among a few *candidates* per weight,
 
-    p_{ik} = softmax_k((z_{ik} + lambda_t G_{ik}) / tau_t),    G ~ Gumbel(0, 1)        (1)
-    w_tilde_i = s_{g(i)} * sum_k p_{ik} l_k                                           (2)
+    p_ik = softmax_k((lambda_t z_ik + G_ik) / tau_t),   G ~ Gumbel(0, 1),               (1)
+    w_tilde_i = s_{g(i)} * sum_k p_ik c_ik,                                            (2)
 
-and minimizes the layer-wise reconstruction error on calibration activations,
+where the candidates ``c_ik`` are the four 2-bit levels {-2, -1, 0, 1}
+(``gumbel_quantizer_2bit.py``, ``GumbelQuantizer2Bit``) or, at 3 bits and more, the starting
+level plus the five shifts {-2, ..., 2}, those that stay on the grid
+(``gumbel_quantizer_int.py``, ``GumbelQuantizerInt``: ``shift_values``, ``valid_shift_mask``).
+``lambda_t`` is the logit scale (100 -> 500) and ``tau_t`` the temperature (2 -> 0.05), both
+linear over the steps (``trainer.py``, ``QuantizationTrainer.train_layer``), and the Gumbel noise
+stays on throughout. Those endpoints are the ones README.md documents and every production
+config uses (``configs/kimi-k2.5/*``, ``qwen3/*``, ``qwen35/*``, ``local/config.yaml``);
+``configs/config_smoke.yaml`` has 2 -> 0.5 and 10 -> 50 for a two-step pipeline check
+(16 samples, batch 8, one epoch), kept here as :data:`SMOKE_SCHEDULE`: under it the relaxation
+never hardens (``(50 z + G) / 0.5`` still samples among the candidates). The objective is the
+mean squared error of a whole sub-block's output, the attention part or the MLP part of a
+decoder layer, against the full-precision sub-block on the same inputs,
 
-    L(z, s) = tr((W_tilde - W) H (W_tilde - W)^T) / tr(W H W^T),   H = 2/N X X^T      (3)
+    L(z, s) = mean((f(X; W_tilde) - f(X; W))^2),                                       (3)
 
-jointly over the logits ``z`` (one per weight and level: the relaxation's cardinality equals the
-number of grid levels) and the per-group scales ``s``, while the temperature ``tau_t`` and the
-noise ``lambda_t`` anneal to zero. Then each weight takes its argmax level (exactly on the grid)
-and the scales are re-solved in closed form for those assignments (a ``G x G`` least squares per
-row, eq. 4 in :func:`optimal_scales`). The result is a plain ``Quantized`` (integer codes, scales,
-zero point) that any scalar kernel, or a GGUF Q4_0 file, can hold.
+(``models/base.py``, ``calculate_mse`` / ``forward_with_quantized``; ``models/llama.py``,
+``get_mlp_input`` / ``get_mlp_output``), minimized by Lion (Chen et al. 2023, "Symbolic Discovery
+of Optimization Algorithms", Alg. 2) with the config's learning rates (logits 2e-4 with weight
+decay 1.0, scales 1e-4 without) under ``trainer.py``'s ``CustomLRScheduler`` (cosine to 0.1 of
+the peak). Then each weight takes its argmax candidate: exactly on the grid, with the learned
+scales. Blocks are done in order, each on the outputs of the blocks already quantized
+(``main.py``, ``train_all_layers``: ``get_layer_activations`` after every layer).
 
-Layer problems of equal shape (e.g. the query/key/value of every block) are solved as one
-batch. Inputs come from the full-precision model (layer-wise, not sequential).
+Departures, named: logits are float32 (the reference keeps them in bfloat16); the attention
+sub-block learns q, k, v and o jointly (the reference freezes q_proj and k_proj after a
+per-linear GSQ inside GPTQ, ``prior/gptq.py`` ``fasterquant``, and by default leaves attention
+unquantized, ``self_attn: false``); the GPTQ start is the layer-wise GPTQ of the full-precision
+model (the reference runs GPTQ on the quantized prefix's activations). :func:`optimal_scales`,
+a closed-form scale re-solve, is ours and not the paper's: notebook 14 uses it only as an
+ablation row.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
-from ..quant import Quantized, block_linears, expand_groups, gptq, levels, rtn
+from ..quant import Quantized, expand_groups
 
-__all__ = ["GSQConfig", "temperature", "relaxed_step", "optimal_scales", "gsq", "by_shape",
-           "quantize_model"]
+__all__ = ["GSQConfig", "SMOKE_SCHEDULE", "SHIFTS", "LEVELS_2BIT", "candidates", "init_logits",
+           "schedule", "lr_factor", "Lion", "GumbelQuantizer", "block_mse", "train_subblock",
+           "optimal_scales", "layer_inputs", "quantize_model"]
+
+SHIFTS = (-2.0, -1.0, 0.0, 1.0, 2.0)    # gumbel_quantizer_int.py: shift_values (3 bits and more)
+LEVELS_2BIT = (-2.0, -1.0, 0.0, 1.0)    # gumbel_quantizer_2bit.py: values
 
 
 @dataclass
 class GSQConfig:
-    """Optimization settings of GSQ (same algorithm at every scale)."""
-    steps: int = 200            # relaxed optimization steps per layer (batch)
-    lr: float = 0.05            # Adam learning rate on the logits z (decays linearly to 0)
-    scale_lr: float = 0.01      # Adam learning rate on the log-scales
-    tau_start: float = 1.0      # Gumbel-Softmax temperature at the first step
-    tau_end: float = 0.02       # ... at the last step (geometric schedule)
-    noise: float = 0.5          # Gumbel noise multiplier lambda at the first step (-> 0 linearly)
-    init_margin: float = 3.0    # logit bonus of the initial (GPTQ/RTN) level
-    percdamp: float = 0.01      # H + percdamp * mean(diag H) I, as GPTQ (calibration noise)
-    solve_scales: bool = True   # closed-form scales for the final hard assignment (eq. 4)
+    """GSQ's settings, the reference's where it has one (README.md's table, the production
+    configs, ``configs/local/verify_llama32_1b.yaml`` for lr1/lr2, ``src/config.py``)."""
+    steps: int = 100                     # Lion steps per sub-block (samples / batch x epochs)
+    batch: int = 8                       # calibration sequences per step (data.batch_size)
+    lr_logits: float = 2e-4              # training.lr1 (masks_lr in config_smoke.yaml)
+    lr_scales: float = 1e-4              # training.lr2 (scales_lr)
+    weight_decay: float = 1.0            # decoupled, on the logits only (scales: 0)
+    betas: tuple = (0.9, 0.95)           # training.lion_betas
+    min_lr: float = 0.1                  # training.scheduler_min_lr (cosine decay)
+    temperature: tuple = (2.0, 0.05)     # quantization.temperature, linear over the steps
+    logit_scale: tuple = (100.0, 500.0)  # quantization.scale, linear over the steps
+    std: float = 0.01                    # quantization.std: logits' initial magnitude
+    strength: float = 6.0                # quantization.strength: weight of the distance prior
 
 
-def temperature(step: int, cfg: GSQConfig) -> float:
-    """Geometric annealing ``tau_t = tau_start (tau_end / tau_start)^(t / (T - 1))``."""
-    frac = step / max(cfg.steps - 1, 1)
-    return cfg.tau_start * (cfg.tau_end / cfg.tau_start) ** frac
+# configs/config_smoke.yaml's endpoints (a pipeline check of two steps), as GSQConfig overrides
+SMOKE_SCHEDULE = {"temperature": (2.0, 0.5), "logit_scale": (10.0, 50.0)}
 
 
-def relaxed_step(z, rho, s0, w, H, grid, tau: float, norm, gumbel=None):
-    """Eq. (3) at the relaxed weights of eqs. (1)-(2), and its gradients in closed form.
+def candidates(level0: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The candidate levels ``c`` (K, *level0.shape) of each weight and which lie on the grid.
 
-    ``z`` (K, B, out, in) logits (K first: a softmax over a leading dim is fast), ``rho``
-    (B, out, G) log-scale offsets (``s = s0 exp(rho)``), ``gumbel`` an optional Gumbel(0, 1) draw
-    already multiplied by lambda. Returns ``(loss (B,), dL/dz, dL/drho)``. Written out rather than
-    autograd: on a CPU it is several times faster over the (K, B, out, in) logits, and a test
-    checks it against autograd.
-    """
-    B, O, I = w.shape
-    g = I // rho.shape[-1]
-    zz = (z if gumbel is None else z + gumbel) / tau
-    p = torch.softmax(zz, dim=0)                                       # eq. (1)
-    del zz
-    E = torch.tensordot(grid, p, dims=1)                               # expected level
-    s_full = expand_groups(s0 * rho.exp(), g, I)
-    d = s_full * E - w                                                 # eq. (2) minus W
-    dH = torch.bmm(d, H)
-    loss = (dH * d).sum((1, 2)) / norm.view(B)                         # eq. (3), per layer
-    gws = 2 * dH / norm * s_full                                       # dL/dW_tilde * s
-    grho = (gws * E).view(B, O, I // g, g).sum(-1)                     # dL / d rho
-    gz = p.mul_(grid.view(-1, 1, 1, 1) - E).mul_(gws / tau)            # softmax Jacobian
-    return loss, gz, grho
+    2 bits: the four levels {-2, -1, 0, 1}, all valid (``GumbelQuantizer2Bit``). 3 bits and
+    more: ``level0 + {-2, ..., 2}``, valid where inside ``[-2^(b-1), 2^(b-1) - 1]``
+    (``GumbelQuantizerInt``: ``cand``, ``valid_shift_mask``)."""
+    lv = level0.float()
+    if bits == 2:
+        vals = torch.tensor(LEVELS_2BIT, device=lv.device).view(-1, *[1] * lv.dim())
+        cand = vals.expand(-1, *lv.shape).clone()
+        return cand, torch.ones_like(cand, dtype=torch.bool)
+    shifts = torch.tensor(SHIFTS, device=lv.device).view(-1, *[1] * lv.dim())
+    cand = lv.unsqueeze(0) + shifts
+    return cand, (cand >= -(2 ** (bits - 1))) & (cand <= 2 ** (bits - 1) - 1)
+
+
+def init_logits(level0, cand, valid, std: float, strength: float, generator=None):
+    """The reference's initial logits ``std * (N(0, 1) + strength * (d - mean_valid d))`` with
+    the distance prior ``d_k = -(c_k - level0)^2 / 2`` (``GumbelQuantizer2Bit.__init__``,
+    ``GumbelQuantizerInt.__init__``: at 2 bits the mean is over all four levels, at 3 bits and
+    more over the valid shifts)."""
+    d = -0.5 * (cand - level0.float().unsqueeze(0)) ** 2
+    v = valid.float()
+    d = d - (d * v).sum(0, keepdim=True) / v.sum(0, keepdim=True)
+    noise = torch.randn(cand.shape, generator=generator, device=cand.device)
+    return std * (noise + strength * d)
+
+
+def schedule(step: int, steps: int, start: float, end: float) -> float:
+    """Linear from ``start`` at step 0 to ``end`` at the last step, as ``train_layer`` sets the
+    temperature and the logit scale (``step / (num_training_steps - 1)``; one step: ``start``,
+    where the reference would divide by zero)."""
+    return start + (end - start) * step / max(steps - 1, 1)
+
+
+def lr_factor(step: int, steps: int, min_lr: float) -> float:
+    """``CustomLRScheduler._compute_lr`` / base lr with no warm-up and cosine decay:
+    ``min + (1 - min) (1 + cos(pi t / (T - 1))) / 2``; with a single step the progress is 1, as
+    the reference sets it when ``T - 1 == 0``."""
+    progress = 1.0 if steps <= 1 else step / (steps - 1)
+    return min_lr + 0.5 * (1 - min_lr) * (1 + math.cos(math.pi * progress))
+
+
+class Lion(torch.optim.Optimizer):
+    """Lion (Chen et al. 2023, Alg. 2), the update of ``lion_pytorch.Lion`` that ``trainer.py``
+    imports: decoupled weight decay ``p <- p (1 - lr wd)``, then
+    ``p <- p - lr sign(beta1 m + (1 - beta1) g)`` and ``m <- beta2 m + (1 - beta2) g``."""
+
+    def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            lr, (b1, b2), wd = group["lr"], group["betas"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
+                p.mul_(1 - lr * wd)
+                p.add_(torch.lerp(p.grad, m, b1).sign_(), alpha=-lr)   # sign(b1 m + (1-b1) g)
+                m.lerp_(p.grad, 1 - b2)                                 # b2 m + (1-b2) g
+
+
+def _argmax0(z: torch.Tensor) -> torch.Tensor:
+    """``z.argmax(0)`` (first maximum) for a few rows K: K elementwise passes, which on a CPU
+    are many times faster than torch's strided reduction over a leading dim."""
+    best, idx = z[0].clone(), torch.zeros(z.shape[1:], dtype=torch.long, device=z.device)
+    for k in range(1, len(z)):
+        better = z[k] > best
+        idx.masked_fill_(better, k)
+        best = torch.maximum(best, z[k])
+    return idx
+
+
+class _Relaxed(torch.autograd.Function):
+    """Eqs. (1)-(2) with the softmax Jacobian written out, as ``GumbelSoftmaxFunction`` does
+    (``gumbel_quantizer_int.py``): ``dL/dz_k = (lambda / tau) p_k (c_k - E_p c) s dL/dw`` and
+    ``dL/ds_g = sum_{i in g} dL/dw_i E_p c_i``. On a CPU several times faster than autograd
+    over the K x weights logits; a test checks it against autograd."""
+
+    @staticmethod
+    def forward(ctx, z, scales, cand, invalid, gumbel, group_size: int, tau: float, lam: float):
+        zz = z.masked_fill(invalid, -1e9) if invalid is not None else z.clone()
+        p = torch.softmax(zz.mul_(lam).add_(gumbel).div_(tau), dim=0)                # eq. (1)
+        level = (p * cand).sum(0)
+        s = expand_groups(scales, group_size, level.shape[-1])
+        ctx.save_for_backward(p, level, s, cand)
+        ctx.invalid, ctx.group_size, ctx.k = invalid, group_size, lam / tau
+        return level * s                                                              # eq. (2)
+
+    @staticmethod
+    def backward(ctx, grad_w):
+        p, level, s, cand = ctx.saved_tensors
+        gs = grad_w * level
+        grad_s = gs.view(*gs.shape[:-1], -1, ctx.group_size).sum(-1)
+        gz = (cand - level).mul_(p).mul_(grad_w * s * ctx.k)
+        if ctx.invalid is not None:
+            gz.masked_fill_(ctx.invalid, 0.0)
+        return gz, grad_s, None, None, None, None, None, None
+
+
+class GumbelQuantizer(nn.Module):
+    """One weight's GSQ state: candidates, logits ``z`` and per-group scales (``s``, learned),
+    started from ``q`` (GPTQ's, RTN's or a GGUF file's codes and scales)."""
+
+    def __init__(self, q: Quantized, cfg: GSQConfig, generator=None):
+        super().__init__()
+        self.bits, self.group_size, self.zero = q.bits, q.group_size, q.zero
+        self.level0 = q.level_index
+        self.cand, self.valid = candidates(self.level0, q.bits)
+        self.invalid = None if self.valid.all() else ~self.valid     # None: skip the masking
+        self.z = nn.Parameter(init_logits(self.level0, self.cand, self.valid, cfg.std,
+                                          cfg.strength, generator))
+        self.scales = nn.Parameter(q.scale.float().clone())
+
+    def forward(self, tau: float, logit_scale: float, generator=None) -> torch.Tensor:
+        """The relaxed weight of eqs. (1)-(2), one Gumbel draw per call."""
+        u = torch.rand(self.z.shape, generator=generator, device=self.z.device)
+        g = u.add_(1e-8).log_().neg_().add_(1e-8).log_().neg_()     # Gumbel, as the reference
+        return _Relaxed.apply(self.z, self.scales, self.cand, self.invalid, g, self.group_size,
+                              float(tau), float(logit_scale))
+
+    def hard_index(self) -> torch.Tensor:
+        """Argmax candidate of each weight (``get_hard_weights``)."""
+        z = self.z.detach()
+        return _argmax0(z if self.invalid is None else z.masked_fill(self.invalid, -1e9))
+
+    def quantized(self) -> Quantized:
+        """The hard result as integer codes with the learned scales: exactly on the grid."""
+        lv = self.cand.gather(0, self.hard_index().unsqueeze(0))[0].round().long()
+        codes = lv + expand_groups(self.zero, self.group_size, lv.shape[-1]).long()
+        return Quantized(codes.to(torch.int16), self.scales.detach().clone(), self.zero,
+                         self.bits, self.group_size)
+
+
+def block_mse(out_q: torch.Tensor, out_fp: torch.Tensor) -> torch.Tensor:
+    """Eq. (3): ``nn.MSELoss()`` (mean over every element) of the sub-block's outputs
+    (``calculate_mse``)."""
+    return ((out_q - out_fp) ** 2).mean()
+
+
+def train_subblock(fn, quantizers: dict, inputs: torch.Tensor, targets: torch.Tensor,
+                   cfg: GSQConfig, generator=None) -> dict:
+    """Learn the quantizers of one sub-block: ``fn(x, weights)`` is the sub-block with the
+    weights (name -> tensor) in place, ``targets`` its full-precision output on ``inputs``.
+
+    Each step draws a batch of ``cfg.batch`` calibration rows (a shuffled pass over aligned
+    chunks, ``get_random_batch_indices``), sets temperature, logit scale and learning rates for
+    the step (``train_layer``, ``CustomLRScheduler``), takes eq. (3)'s gradient and a Lion step.
+    Returns per-step ``loss``, ``tau``, ``logit_scale`` and ``flips`` (argmax changes)."""
+    params = [{"params": [q.z], "lr": cfg.lr_logits, "weight_decay": cfg.weight_decay}
+              for q in quantizers.values()]
+    params += [{"params": [q.scales], "lr": cfg.lr_scales, "weight_decay": 0.0}
+               for q in quantizers.values()]
+    opt = Lion(params, betas=cfg.betas)
+    base = [g["lr"] for g in opt.param_groups]
+    hist = {"loss": [], "tau": [], "logit_scale": [], "flips": []}
+    prev = {n: q.hard_index() for n, q in quantizers.items()}
+    n_chunks = max(len(inputs) // cfg.batch, 1)
+    order = torch.empty(0, dtype=torch.long)
+    for t in range(cfg.steps):
+        if len(order) == 0:
+            order = torch.randperm(n_chunks, generator=generator)
+        i, order = int(order[0]) * cfg.batch, order[1:]
+        tau = schedule(t, cfg.steps, *cfg.temperature)
+        lam = schedule(t, cfg.steps, *cfg.logit_scale)
+        for g, lr in zip(opt.param_groups, base):
+            g["lr"] = lr * lr_factor(t, cfg.steps, cfg.min_lr)
+        opt.zero_grad(set_to_none=True)
+        weights = {n: q(tau, lam, generator) for n, q in quantizers.items()}
+        loss = block_mse(fn(inputs[i: i + cfg.batch], weights), targets[i: i + cfg.batch])
+        loss.backward()
+        opt.step()
+        cur = {n: q.hard_index() for n, q in quantizers.items()}
+        hist["flips"].append(int(sum((cur[n] != prev[n]).sum() for n in cur)))
+        prev = cur
+        hist["loss"].append(float(loss.detach()))
+        hist["tau"].append(tau)
+        hist["logit_scale"].append(lam)
+    return hist
 
 
 def optimal_scales(w, H, lv, group_size: int, ridge: float = 1e-8):
-    """Per-group scales minimizing eq. (3) for fixed levels ``lv`` (batched over leading dims).
+    """Ours, not the paper's (an ablation): per-group scales minimizing
+    ``tr((W_hat - W) H (W_hat - W)^T)`` for fixed levels ``lv`` (batched over leading dims).
 
     Row ``o``'s weight is ``A_o s_o`` with ``A_o`` (in x G) holding the levels of group ``g`` in
     column ``g``; the error ``(A s - w)^T H (A s - w)`` is minimized by
@@ -102,119 +286,93 @@ def optimal_scales(w, H, lv, group_size: int, ridge: float = 1e-8):
     return torch.linalg.solve(M.double(), rhs.double().unsqueeze(-1)).squeeze(-1).float()
 
 
-def gsq(w: torch.Tensor, H: torch.Tensor, init: Quantized, cfg: GSQConfig | None = None,
-        generator: torch.Generator | None = None, grid: torch.Tensor | None = None):
-    """GSQ of a batch of same-shape weights ``w`` (B, out, in) with Hessians ``H`` (B, in, in).
+# -- the sub-blocks of a Llama decoder layer, and the whole-model driver ----------------------
 
-    ``init`` holds the starting codes and scales (from RTN, GPTQ or a GGUF file), batched the
-    same way (codes (B, out, in), scale/zero (B, out, G)); the grid is ``codes - zero`` of a
-    symmetric grid unless ``grid`` (the K level values) is given. Returns ``(levels_index,
-    scale, history)``: the chosen level index in ``0..K-1`` per weight, the final scales, and
-    per-step loss, temperature and assignment flips.
+@torch.no_grad()
+def layer_inputs(model, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Hidden states entering the first decoder layer for token blocks ``ids``, and the
+    layer's other arguments (rotary embeddings; causal attention, no mask), captured by a
+    pre-hook as ``BaseModelWrapper.get_inputs`` does."""
+    seen = {}
 
-    The gradients of eq. (3) come from :func:`relaxed_step`; ``torch.optim.Adam`` steps the
-    logits and the log-scales, with learning rates decaying linearly to 0.
-    """
+    def hook(_, args, kwargs):
+        seen["x"] = args[0] if args else kwargs["hidden_states"]
+        seen["kw"] = {"position_embeddings": kwargs["position_embeddings"],
+                      "position_ids": kwargs.get("position_ids")}
+        raise StopIteration
+
+    handle = model.model.layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        model(input_ids=ids.to(next(model.parameters()).device))
+    except StopIteration:
+        pass
+    finally:
+        handle.remove()
+    return seen["x"].detach(), seen["kw"]
+
+
+def _attention(layer, kw):
+    """``x + attn(ln1(x))`` with weights (``self_attn.*`` names) swapped in (``get_mlp_input``)."""
+    def fn(x, weights):
+        h = layer.input_layernorm(x)
+        w = {k.split(".", 1)[1] + ".weight": v for k, v in weights.items()}
+        return x + functional_call(layer.self_attn, w, (h,), dict(kw, attention_mask=None))[0]
+    return fn
+
+
+def _mlp(layer):
+    """``h + mlp(ln2(h))`` with weights (``mlp.*`` names) swapped in (``get_mlp_output``)."""
+    def fn(h, weights):
+        w = {k.split(".", 1)[1] + ".weight": v for k, v in weights.items()}
+        return h + functional_call(layer.mlp, w, (layer.post_attention_layernorm(h),))
+    return fn
+
+
+def _in_place(layer, qs: dict):
+    """Copy the hard (dequantized) weights of ``qs`` (names relative to ``layer``) into it."""
+    mods = dict(layer.named_modules())
+    with torch.no_grad():
+        for n, q in qs.items():
+            mods[n].weight.copy_(q.dequantize().to(mods[n].weight.dtype))
+
+
+def quantize_model(model, calib: torch.Tensor, init: dict, cfg: GSQConfig | None = None,
+                   seed: int = 0) -> tuple[dict, dict]:
+    """GSQ of every decoder layer of a Llama ``model``, in order, started from ``init`` (full
+    linear name -> ``Quantized``). Per layer: the attention sub-block, then the MLP sub-block
+    with the quantized attention in place against the full-precision layer (``calculate_mse``
+    with ``temp_weights``); the next layer's inputs are this quantized layer's outputs. The
+    model's weights are restored afterwards. Returns ``(weights, info)``: name -> dequantized
+    weight, and name -> ``{"q", "hist", "seconds"}``."""
     cfg = cfg or GSQConfig()
-    B, O, I = w.shape
-    g = init.group_size
-    grid = (levels(init.bits).float() if grid is None else grid).to(w.device)
-    K = len(grid)
-    if cfg.percdamp > 0:                     # the damping GPTQ applies to the same H
-        diag = torch.diagonal(H, dim1=-2, dim2=-1)
-        H = H + cfg.percdamp * diag.mean(-1).view(B, 1, 1) * torch.eye(I, device=H.device)
-    lv0 = init.codes.long() - expand_groups(init.zero, g, I).long()    # signed levels
-    idx0 = lv0 - int(grid[0])                                          # index into grid
-    s0 = init.scale.float().clone()
-    # initial logits: a bonus for the starting level plus a distance prior -(w/s - l_k)^2
-    z = -(w / expand_groups(s0, g, I) - grid.view(K, 1, 1, 1)) ** 2
-    z.scatter_add_(0, idx0.unsqueeze(0),
-                   torch.full((1, B, O, I), cfg.init_margin, device=w.device))
-    rho = torch.zeros_like(s0)                                         # s = s0 * exp(rho)
-    opt = torch.optim.Adam([{"params": [z], "lr": cfg.lr},
-                            {"params": [rho], "lr": cfg.scale_lr}], betas=(0.9, 0.999), eps=1e-8)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1 - t / cfg.steps)
-    norm = torch.einsum("boi,bij,boj->b", w, H, w).clamp(min=1e-12).view(B, 1, 1)
-    hist = {"loss": [], "tau": [], "flips": []}
-    prev = idx0.clone()
-    half = max(cfg.steps // 2, 1)
-    for t in range(cfg.steps):
-        tau = temperature(t, cfg)
-        lam = cfg.noise * max(0.0, 1 - t / half)                      # noise off mid-way
-        gumbel = None
-        if lam > 0:                       # eq. (1): + lambda Gumbel, Gumbel = -log Exp(1)
-            gumbel = torch.empty_like(z).exponential_(generator=generator).clamp_(min=1e-20)
-            gumbel = gumbel.log_().mul_(-lam)
-        loss, z.grad, rho.grad = relaxed_step(z, rho, s0, w, H, grid, tau, norm, gumbel)
-        opt.step()
-        sched.step()
-        cur = z.argmax(0)
-        hist["flips"].append(int((cur != prev).sum()))
-        prev = cur
-        hist["loss"].append(float(loss.mean()))
-        hist["tau"].append(tau)
-    idx = z.argmax(0)
-    scale = s0 * rho.exp()
-    if cfg.solve_scales:
-        solved = optimal_scales(w, H, grid[idx], g)
-        ok = torch.isfinite(solved) & (solved * s0 > 0)        # keep the sign, never zero
-        scale = torch.where(ok, solved, scale)
-    return idx, scale, hist
-
-
-# -- whole-model drivers ----------------------------------------------------------------------
-
-def by_shape(layers: dict[str, nn.Linear]) -> dict[tuple, list[str]]:
-    """Layer names grouped by weight shape, so equal shapes are solved as one batch."""
-    out: dict[tuple, list[str]] = {}
-    for n, m in layers.items():
-        out.setdefault(tuple(m.weight.shape), []).append(n)
-    return out
-
-
-def quantize_model(model, hessians: dict, method: str, bits: int, group_size: int,
-                   cfg: GSQConfig | None = None, seed: int = 0, init: dict | None = None,
-                   grid: torch.Tensor | None = None):
-    """Quantize every block linear of ``model`` with ``method`` in {rtn, gptq, gsq}.
-
-    Returns ``(weights, info)``: name -> dequantized weight, and per-layer details (the
-    ``Quantized`` result, reconstruction error before/after, GSQ history and seconds). GSQ
-    starts from GPTQ unless ``init`` (name -> Quantized, e.g. a GGUF file's) is given.
-    """
-    layers = block_linears(model)
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    x, kw = layer_inputs(model, calib)
     weights, info = {}, {}
-    dev = next(model.parameters()).device
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    gvals = (levels(bits).float() if grid is None else grid).to(dev)   # the K level values
-    for shape, names in by_shape(layers).items():
-        W = torch.stack([layers[n].weight.detach().float() for n in names])
-        Hs = torch.stack([hessians[n] for n in names])
-        t0 = time.time()
-        if method in ("rtn", "gptq") or (method == "gsq" and init is None):
-            starts = {n: (rtn(layers[n].weight.detach(), bits, group_size) if method == "rtn"
-                          else gptq(layers[n].weight.detach(), hessians[n], bits, group_size))
-                      for n in names}
-        else:
-            starts = {n: init[n] for n in names}
-        t_init = time.time() - t0
-        if method != "gsq":
-            for n in names:
-                q = starts[n]
-                weights[n] = q.dequantize()
-                info[n] = {"q": q, "seconds": t_init / len(names)}
-            continue
-        batch = Quantized(torch.stack([starts[n].codes for n in names]),
-                          torch.stack([starts[n].scale for n in names]),
-                          torch.stack([starts[n].zero for n in names]), bits, group_size)
-        t1 = time.time()
-        idx, scale, hist = gsq(W, Hs, batch, cfg, gen, gvals)
-        secs = time.time() - t1
-        for j, n in enumerate(names):
-            lv = gvals[idx[j]].round().long()
-            zero = starts[n].zero
-            codes = (lv + expand_groups(zero, group_size, lv.shape[1]).long()).to(torch.int16)
-            q = Quantized(codes, scale[j], zero, bits, group_size)
-            weights[n] = q.dequantize()
-            info[n] = {"q": q, "levels": lv, "seconds": secs / len(names), "hist": hist,
-                       "batch": len(names), "init": starts[n]}
+    prefix = next(n for n, m in model.named_modules() if m is model.model.layers)
+    for li, layer in enumerate(model.model.layers):
+        saved = {n: p.detach().clone() for n, p in layer.named_parameters()}
+        with torch.no_grad():
+            y_fp = layer(x, **kw)                                   # the fp layer's output
+            attn_fp = _attention(layer, kw)(x, {})
+        for part, fn in (("self_attn", _attention(layer, kw)), ("mlp", _mlp(layer))):
+            names = [n for n, m in layer.named_modules()
+                     if isinstance(m, nn.Linear) and n.startswith(part + ".")]
+            qz = {n: GumbelQuantizer(init[f"{prefix}.{li}.{n}"], cfg, gen) for n in names}
+            t0 = time.time()
+            if part == "self_attn":
+                hist = train_subblock(fn, qz, x, attn_fp, cfg, gen)
+            else:
+                with torch.no_grad():
+                    h = _attention(layer, kw)(x, {})                # quantized attention in place
+                hist = train_subblock(fn, qz, h, y_fp, cfg, gen)
+            secs = (time.time() - t0) / len(names)
+            _in_place(layer, {n: q.quantized() for n, q in qz.items()})
+            for n, q in qz.items():
+                full = f"{prefix}.{li}.{n}"
+                info[full] = {"q": q.quantized(), "hist": hist, "seconds": secs}
+                weights[full] = info[full]["q"].dequantize()
+        with torch.no_grad():
+            x = layer(x, **kw)                                      # inputs of the next layer
+            for n, p in layer.named_parameters():
+                p.copy_(saved[n])
     return weights, info
