@@ -2,6 +2,7 @@
 sweep stays under the bottleneck, the perturbation gaps inside their bound, the synthetic C5 grid
 complete, and on a one-block zoo Llama null-space updates are invisible and learned updates lie in
 their predicted subspaces."""
+import pandas as pd
 import pytest
 import torch
 
@@ -73,3 +74,20 @@ def test_lm_null_updates_are_invisible_and_learned_updates_in_their_spaces():
     assert (tab.loc[["query", "value (whole trace norm)", "key (no rotary)"],
                     "outside_energy"] < 1e-4).all()
     assert len(tab) == 7 and tab.loc["peft LoRA r=8, query", "loss_end"] == loss
+
+
+def test_spectra_stop_at_the_bottleneck_and_repeat_for_the_same_knobs():
+    import matplotlib.pyplot as plt
+    sp = X.spectra(d=10, k=3, n=40, lam=0.05, steps=2000, seed=0)
+    assert len(sp["features"]) == len(sp["minimizer"]) == len(sp["least squares"]) == 10
+    assert sp["rank_minimizer"] <= 3 < sp["rank_lstsq"]                   # n > d, yet rank <= k
+    assert (sp["features"][3:] < 1e-9 * sp["features"][0]).all()          # features of rank k
+    again = X.spectra(d=10, k=3, n=40, lam=0.05, steps=2000, seed=0)
+    assert (again["minimizer"] == sp["minimizer"]).all()                  # a move back redraws it
+    c1 = pd.DataFrame({"k": [3, 3], "n": [8, 40], "rank_minimizer": [3, 3],
+                       "rank_lstsq_random_start": [10, 10]})
+    fig = X.spectra_figure(sp, 3, 40, 10, c1)
+    ax, bx = fig.axes
+    assert f"minimizer rank {sp['rank_minimizer']}" in ax.get_title()
+    assert [ln.get_label() for ln in bx.get_lines()][:2] == ["trace-norm minimizer", "least squares"]
+    plt.close(fig)

@@ -16,7 +16,9 @@ What the notebook drives, in its order:
 - C4: the perturbed minimizers on the original problem (:func:`perturbation_gaps`);
 - C5: the spectral bound against measured generalization gaps, on synthetic spectra
   (:func:`spectral_gaps`, :func:`group_spearman`) and over a LoRA rank sweep of the zoo LM
-  (:func:`lora_rank_sweep`).
+  (:func:`lora_rank_sweep`);
+- the explorer: one instance of C1's sweep solved at a chosen n and k, its singular values
+  against the bottleneck (:func:`spectra`, :func:`spectra_figure`).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import pandas as pd
 import torch
 from peft import LoraConfig, get_peft_model
 
+from .. import plots
 from ..data import tasks
 from ..data.packing import task_batch
 from ..diagnostics import erank, srank
@@ -37,7 +40,8 @@ __all__ = ["check_sizes", "rank_sweep", "cvxpy_checks", "frozen_lm", "attention_
            "task_examples_batch", "loss_with", "invisibility", "shift_gap",
            "constant_key_change", "learn_updates", "peft_qv", "peft_baseline", "update_table",
            "per_head_ranks", "perturbed_problem", "stationary_ranks", "perturbation_gaps",
-           "spectral_gaps", "group_spearman", "lora_rank_sweep", "prose_metrics"]
+           "spectral_gaps", "group_spearman", "lora_rank_sweep", "prose_metrics", "spectra",
+           "spectra_figure"]
 
 NORM = 50.0                 # Frobenius norm of C1's null-space and random LM updates
 
@@ -57,18 +61,25 @@ def rank_sweep(S: dict, g: torch.Generator) -> pd.DataFrame:
     rows = []
     for kk in S["ks"]:
         for n in S["ns"]:
-            x = br.low_rank_features(n, S["d"], kk, g)
-            teacher = torch.randn(S["d"], S["d"], generator=g, dtype=torch.float64)
-            r = x @ teacher.T + 0.3 * torch.randn(n, S["d"], generator=g, dtype=torch.float64)
-            pb = br.LeastSquares(x, r, lam=S["lam"])
-            dhat, info = br.prox_grad(pb, steps=S["pg_steps"])
-            start = torch.randn(S["d"], S["d"], generator=g, dtype=torch.float64)
-            ls = start - br.project_rows(start, br.row_basis(x)) + torch.linalg.lstsq(x, r).solution.T
+            x, r, teacher, dhat, info, ls = _instance(S["d"], kk, n, S["lam"], S["pg_steps"], g)
             rows.append({"k": kk, "n": n, "bottleneck": br.bottleneck_rank(x),
                          "rank_minimizer": br.numeric_rank(dhat), "rank_lstsq_random_start":
                          br.numeric_rank(ls), "trivial_bound": min(n, S["d"]), "kkt": info["kkt"],
                          "pg_steps": info["steps"], "teacher_rank": br.numeric_rank(teacher)})
     return pd.DataFrame(rows)
+
+
+def _instance(d: int, k: int, n: int, lam: float, steps: int, g: torch.Generator):
+    """One instance of :func:`rank_sweep`: features ``x`` of rank k, a full-rank ``teacher``
+    plus noise as targets ``r``, the trace-norm minimizer ``dhat`` (with its prox-grad ``info``)
+    and the least-squares fit ``ls`` from a random start (it keeps its invisible part)."""
+    x = br.low_rank_features(n, d, k, g)
+    teacher = torch.randn(d, d, generator=g, dtype=torch.float64)
+    r = x @ teacher.T + 0.3 * torch.randn(n, d, generator=g, dtype=torch.float64)
+    dhat, info = br.prox_grad(br.LeastSquares(x, r, lam=lam), steps=steps)
+    start = torch.randn(d, d, generator=g, dtype=torch.float64)
+    ls = start - br.project_rows(start, br.row_basis(x)) + torch.linalg.lstsq(x, r).solution.T
+    return x, r, teacher, dhat, info, ls
 
 
 def cvxpy_checks(S: dict, g: torch.Generator) -> list[dict]:
@@ -413,3 +424,44 @@ def prose_metrics(c1: pd.DataFrame, checks: list[dict], invis: dict, real: dict,
     out.update({"c5_lm_gap_min": float(c5l.gap.min()), "c5_lm_gap_max": float(c5l.gap.max())})
     out.update({f"c5_final_erank_D_r{r}": float(t.erank_D.iloc[-1]) for r, t in traces.items()})
     return out
+
+
+# -- the explorer: the minimizer's spectrum against the bottleneck --------------------------------
+
+def spectra(d: int, k: int, n: int, lam: float, steps: int, seed: int) -> dict:
+    """One instance of C1's sweep (:func:`rank_sweep`'s draw), from a generator seeded by
+    ``seed``, ``k`` and ``n`` alone (the same picture at every visit): the singular values of
+    the features, of the trace-norm minimizer and of the least-squares fit from a random start,
+    and their numeric ranks."""
+    g = torch.Generator().manual_seed(100003 * seed + 1009 * k + n)
+    x, _, _, dhat, info, ls = _instance(d, k, n, lam, steps, g)
+    out = {name: torch.linalg.svdvals(m).numpy() for name, m in
+           (("features", x), ("minimizer", dhat), ("least squares", ls))}
+    return {**out, "rank_minimizer": br.numeric_rank(dhat), "rank_lstsq": br.numeric_rank(ls),
+            "kkt": info["kkt"]}
+
+
+def spectra_figure(sp: dict, k: int, n: int, d: int, c1: pd.DataFrame):
+    """Left: the normalized singular values of :func:`spectra` (the minimizer's stop at the
+    bottleneck rank ``k``, not at min(n, d)). Right: C1's ranks against n for this k
+    (``c1`` from :func:`rank_sweep`), the explored n marked."""
+    fig, (ax, bx) = plots.subplots(1, 2, figsize=(11, 3.8))
+    for i, name in enumerate(["minimizer", "least squares", "features"]):
+        sv = sp[name]
+        ax.semilogy(np.arange(1, len(sv) + 1), np.maximum(sv / max(sv[0], 1e-300), 1e-17), "o-",
+                    ms=3, color=plots.PALETTE[i], label=name)
+    ax.axvline(k + 0.5, color="k", ls=":", label=f"bottleneck rank k = {k}")
+    ax.axvline(min(n, d) + 0.5, color="k", ls="--", lw=1, label=f"min(n, d) = {min(n, d)}")
+    ax.set(xlabel="index i", ylabel="σ_i / σ_1", ylim=(1e-17, 3), title=f"n = {n}, k = {k}: "
+           f"minimizer rank {sp['rank_minimizer']}, least squares {sp['rank_lstsq']}")
+    ax.legend(fontsize=7, loc="center right")
+    sub = c1[c1.k == k]
+    bx.plot(sub.n, sub.rank_minimizer, "o-", color=plots.PALETTE[0], label="trace-norm minimizer")
+    bx.plot(sub.n, sub.rank_lstsq_random_start, "s:", color=plots.PALETTE[1], label="least squares")
+    bx.plot(sub.n, np.minimum(sub.n, d), "k--", lw=1, label="min(n, d)")
+    bx.axhline(k, color="k", ls=":", lw=1)
+    bx.axvline(n, color="grey", lw=6, alpha=0.3)
+    bx.set(xscale="log", xlabel="samples n", ylabel="rank", ylim=(0, d + 1),
+           title=f"C1's sweep at k = {k} (grey: this n)")
+    bx.legend(fontsize=7)
+    return fig
