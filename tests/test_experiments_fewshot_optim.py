@@ -111,6 +111,19 @@ def test_every_method_is_swept_on_every_support_set_selected_on_validation_and_c
     assert all(isinstance(v, float) for v in m.values())
 
 
+def test_a_diverged_run_has_no_validation_accuracy_so_it_is_never_selected(tiny):
+    model, tok = tiny
+    names = list(images.SHAPES_HELDOUT[:3])
+    test, support = lab.draw_target(names, [1], n_query=1, noise=0.3, seed=0)
+    val = lab.validation_split(names, 1, 0.3, seed=0)
+    clf, losses, init = lab.fit(model, tok, names, "sgd", 1e-3, support[1], 2, 1.0)
+    ok = lab.score(clf, losses, init, val, test)
+    bad = lab.score(clf, losses + [float("nan")], init, val, test)
+    assert not ok["diverged"] and ok["steps_run"] == 2 and math.isfinite(ok["val_acc"])
+    assert bad["diverged"] and bad["steps_run"] == 2 and math.isnan(bad["val_acc"])
+    assert bad["test_acc"] == ok["test_acc"]
+
+
 def test_the_best_peft_baseline_is_chosen_on_validation_accuracy():
     from workbench.sweep import Sweep
     rows = [{"method": m, "lr": 1.0, "val_acc": v, "test_acc": 1 - v}

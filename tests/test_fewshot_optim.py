@@ -180,3 +180,18 @@ def test_correct_is_per_item_and_accuracy_is_its_mean(tiny):
     assert right.dtype == torch.bool and right.shape == y.shape
     assert fo.accuracy(clf, x, y) == pytest.approx(float(right.float().mean()))
     assert torch.equal(right, clf(x).argmax(-1) == y)
+
+
+def test_a_preconditioner_that_cannot_be_computed_ends_the_run_as_diverged(tiny, monkeypatch):
+    """Shampoo's SVD of blown-up statistics fails to converge: the run stops, its last loss NaN."""
+    model, tok = tiny
+    names, x, y = _support()
+
+    class Broken(torch.optim.SGD):
+        def step(self, closure=None):
+            raise torch.linalg.LinAlgError("linalg.svd: the algorithm failed to converge")
+
+    monkeypatch.setattr(fo, "make_optimizer", lambda name, params, lr: Broken(list(params), lr=lr))
+    clf = fo.FewShotClassifier(model, tok, names, "full")
+    losses = fo.train(clf, x, y, "shampoo", 1e-1, 5)
+    assert len(losses) == 2 and math.isfinite(losses[0]) and math.isnan(losses[1])

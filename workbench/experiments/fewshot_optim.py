@@ -15,6 +15,7 @@ read.
 from __future__ import annotations
 
 import inspect
+import math
 
 import pandas as pd
 import torch
@@ -115,13 +116,16 @@ def fit(model, tok, names, method: str, value: float, support, steps: int, budge
 
 
 def score(clf, losses, init, val, test) -> dict:
-    """What one run records: validation accuracy (the selection metric), test accuracy and the
-    per-image test outcomes (for paired comparisons), the last loss, the steps taken (fewer when
-    the loss diverged) and the distance from the pretrained weights."""
+    """What one run records: validation accuracy (the selection metric; NaN for a diverged run,
+    which :func:`workbench.sweep.sweep` then never selects), test accuracy and the per-image test
+    outcomes (for paired comparisons), the last loss, the steps taken and the distance from the
+    pretrained weights."""
     right = fo.correct(clf, *test)
-    return {"val_acc": fo.accuracy(clf, *val), "test_acc": float(right.float().mean()),
-            "test_correct": right.int().tolist(), "final_loss": losses[-1],
-            "steps_run": len(losses), "dist_from_init": fo.distance_from_init(clf, init)}
+    diverged = not math.isfinite(losses[-1])
+    return {"val_acc": math.nan if diverged else fo.accuracy(clf, *val),
+            "test_acc": float(right.float().mean()), "test_correct": right.int().tolist(),
+            "final_loss": losses[-1], "steps_run": sum(map(math.isfinite, losses)),
+            "diverged": diverged, "dist_from_init": fo.distance_from_init(clf, init)}
 
 
 def sweep_shots(model, tok, names, support: dict, val, test, grad_full, c2: pd.DataFrame,
@@ -156,7 +160,10 @@ def middle_shots(shots) -> int:
 def best_peft(sw: Sweep) -> str:
     """The PEFT baseline with the highest validation accuracy at its selected rate (the first
     on a tie): the one SGD is compared with, chosen without the test images."""
-    return max(fo.PEFT, key=lambda m: (sw.at_best(m)["val_acc"], -fo.PEFT.index(m)))
+    def val(m):
+        v = sw.at_best(m)["val_acc"]
+        return v if math.isfinite(v) else -1.0
+    return max(fo.PEFT, key=lambda m: (val(m), -fo.PEFT.index(m)))
 
 
 def selected(sweeps: dict[int, Sweep]) -> pd.DataFrame:

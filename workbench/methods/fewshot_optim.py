@@ -162,8 +162,9 @@ def train(clf: FewShotClassifier, x, y, optimizer: str, lr: float, steps: int,
     the full-data one.
 
     A frozen image tower's features are computed once (the same numbers, fewer forwards). A
-    non-finite loss ends the run: the weights have diverged and no later step brings them back.
-    Returns the losses of the steps taken."""
+    diverged run ends early: a non-finite loss or gradient, or a preconditioner that cannot be
+    computed from blown-up statistics (Shampoo's SVD fails to converge). Returns the losses of
+    the steps taken; a diverged run's last entry is NaN."""
     params = clf.trainable()
     opt = make_optimizer(optimizer, params, lr)
     losses = []
@@ -179,6 +180,9 @@ def train(clf: FewShotClassifier, x, y, optimizer: str, lr: float, steps: int,
             break
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if not all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None):
+            losses.append(math.nan)
+            break
         if step == 0 and numerator_grad is not None:
             # seed Adam's state so that after its update m_1 = b1 m_0 + (1 - b1) g = (1 - b1) g_full:
             # torch divides m_1 by the bias correction 1 - b1, so the corrected moment is g_full
@@ -189,7 +193,11 @@ def train(clf: FewShotClassifier, x, y, optimizer: str, lr: float, steps: int,
                 st["step"] = torch.tensor(0.0)
                 st["exp_avg"] = (1 - b1) * (g - p.grad) / b1
                 st["exp_avg_sq"] = torch.zeros_like(p)
-        opt.step()
+        try:
+            opt.step()
+        except torch.linalg.LinAlgError:
+            losses.append(math.nan)
+            break
     return losses
 
 
