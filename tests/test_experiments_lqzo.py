@@ -84,3 +84,38 @@ def test_vit_experiment_is_seeded():
     assert list(a) == ["fp", "INT3 RTN", "QZO", "LQZO"] and all(0 <= v <= 1 for v in a.values())
     assert a == ex.vit_experiment(3, 8, laws, train_steps=20, zo_steps=3, lr=1e-4, eps=1e-3,
                                   seed=1, device="cpu")
+
+
+def test_item_losses_average_to_the_batch_loss_when_answers_have_one_length():
+    model, tok = zoo.load("lm-micro")
+    d = ex.task_data(tok, "sub", 2, seed=0, device="cpu", n_pool=8, n_held=12)
+    assert len(d["held_ex"]) == 12
+    again = ex.task_data(tok, "sub", 2, seed=5, device="cpu", n_pool=8, n_held=12)
+    assert [e.prompt for e in again["held_ex"]] == [e.prompt for e in d["held_ex"]]  # seed-free
+    per = ex.item_losses(model, d["held"])
+    n_tok = (d["held"]["labels"][:, 1:] != -100).sum(1).double().numpy()
+    with torch.no_grad():
+        batch = float(ex.lm_loss(model, d["held"]))
+    assert per.shape == (12,)
+    assert np.sum(per * n_tok) / n_tok.sum() == pytest.approx(batch, rel=1e-5)  # token-weighted
+    correct = ex.item_correct(model, tok, d["held_ex"])
+    assert set(np.unique(correct)) <= {0.0, 1.0}
+    out = ex.paired(np.ones(40), np.zeros(40))
+    assert out["diff"] == 1.0 and out["low"] == 1.0 and out["n_items"] == 40
+
+
+def test_vit_experiment_hands_back_per_image_correctness():
+    laws = {"QZO": M.Perturbation("gaussian")}
+    items = {}
+    acc = ex.vit_experiment(3, 8, laws, train_steps=10, zo_steps=2, lr=1e-4, eps=1e-3, seed=0,
+                            device="cpu", items=items)
+    assert list(items) == ["QZO"] and items["QZO"].mean() == pytest.approx(acc["QZO"])
+
+
+def test_width_losses_score_the_rtn_model_at_each_width():
+    model, tok = zoo.load("lm-micro")
+    d = ex.task_data(tok, "sub", 1, seed=0, device="cpu", n_pool=8)
+    w = ex.width_losses(model, d, 32, widths=(4, 2))
+    with torch.no_grad():
+        at2 = float(ex.lm_loss(M.quantize(model, 2, 32)[0], d["held"]))
+    assert list(w) == [4, 2] and w[2] == pytest.approx(at2)

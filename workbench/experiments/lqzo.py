@@ -4,7 +4,9 @@
 What the notebook drives around the method (:mod:`workbench.methods.lqzo`):
 
 - the task: train and held-out problems of a family, a fixed training pool and padded batches
-  (:func:`task_data`), the models' held-out scores (:func:`heldout_scores`), the task loss (:func:`lm_loss`) and row subsets (:func:`subset`);
+  (:func:`task_data`), the models' held-out scores (:func:`heldout_scores`), the task loss
+  (:func:`lm_loss`), its per-problem values and exact matches (:func:`item_losses`,
+  :func:`item_correct`) and row subsets (:func:`subset`);
 - C2: the true (autograd) gradient of the scales (:func:`true_gradient`) and how much of each
   layer's energy sits in its top singular directions, against random matrices of the same shape
   (:func:`energy_top`, :func:`gradient_spectrum`);
@@ -15,7 +17,9 @@ What the notebook drives around the method (:mod:`workbench.methods.lqzo`):
 - end to end: ZO fine-tuning of the LM's scales, or of every fp weight for fp MeZO
   (:func:`zo_finetune`), and of a small ViT's scales on digits (:func:`vit_experiment`);
 - C1's memory: the bytes a ZO step, inference and a backprop step hold, counted the same way
-  (:class:`SavedForBackward`, :func:`memory_profile`).
+  (:class:`SavedForBackward`, :func:`memory_profile`);
+- two methods on the same held-out items: ``diagnostics.paired_bootstrap`` of their per-item
+  scores (:func:`paired`).
 """
 from __future__ import annotations
 
@@ -29,11 +33,13 @@ import torch
 
 from .. import evaluate
 from ..data import classification, packing, tasks
+from ..diagnostics import paired_bootstrap
 from ..methods.lqzo import (CLIP, MIN_SCALE, Perturbation, directions, flat, near_square,
                             quantize, sample_batch, zo_estimate, zo_step)
 from ..models import vit
 
-__all__ = ["lm_loss", "subset", "task_data", "heldout_scores", "true_gradient", "cosine", "energy_top",
+__all__ = ["lm_loss", "item_losses", "item_correct", "paired", "subset", "task_data",
+           "width_losses", "heldout_scores", "true_gradient", "cosine", "energy_top",
            "gradient_spectrum", "estimator_quality", "linearized_quality", "forward_quality",
            "layer_quality", "quality_table", "best_time", "draw_times", "zo_finetune",
            "vit_experiment", "tensor_bytes", "SavedForBackward", "memory_profile"]
@@ -46,21 +52,61 @@ def lm_loss(model, batch: dict) -> torch.Tensor:
     return model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
 
 
+def item_losses(model, batch: dict) -> np.ndarray:
+    """Per row, the mean next-token cross-entropy on its labelled (answer) tokens."""
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"]).logits[:, :-1].float()
+        labels = batch["labels"][:, 1:]
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels,
+                                                ignore_index=-100, reduction="none")
+        mask = (labels != -100).double()
+        return ((nll.double() * mask).sum(1) / mask.sum(1).clamp(min=1)).cpu().numpy()
+
+
+def item_correct(model, tok, examples) -> np.ndarray:
+    """Per example, the verifier's score of the greedy completion (``evaluate.exact_match`` is
+    their mean)."""
+    longest = max(len(tok(e.completion(), add_special_tokens=False)["input_ids"]) for e in examples)
+    comps = evaluate.generate(model, tok, [e.prompt for e in examples], max_new_tokens=longest + 2)
+    return np.array([tasks.score(e, c) for e, c in zip(examples, comps)], dtype=float)
+
+
+def paired(a, b, seed: int = 0) -> dict:
+    """``diagnostics.paired_bootstrap(a, b)``: the mean of ``a - b`` over the same items and its
+    95% interval (``{diff, low, high, n_items, n_seeds}``)."""
+    return paired_bootstrap(np.asarray(a), np.asarray(b), seed=seed)
+
+
 def subset(batch: dict, idx) -> dict:
     """The rows ``idx`` of every tensor of a batch."""
     return {k: v[idx] for k, v in batch.items()}
 
 
-def task_data(tok, family: str, difficulty: int, seed: int, device, n_pool: int = 512) -> dict:
-    """The family's disjoint train and held-out problems (``tasks.problem_split``), a training
-    pool of ``n_pool`` problems drawn with replacement from a generator seeded by ``seed``, and
-    both as padded batches labelled on the answer (``train``, ``held``)."""
+def task_data(tok, family: str, difficulty: int, seed: int, device, n_pool: int = 512,
+              n_held: int | None = None) -> dict:
+    """The family's disjoint train and held-out problems (``tasks.problem_split``; at most
+    ``n_held`` held-out ones, a subset fixed for every seed so that seeds score the same items),
+    a training pool of ``n_pool`` problems drawn with replacement from a generator seeded by
+    ``seed``, and both as padded batches labelled on the answer (``train``, ``held``)."""
     train_ex, held_ex = tasks.problem_split(family, difficulty)
+    if n_held and len(held_ex) > n_held:
+        keep = torch.randperm(len(held_ex), generator=torch.Generator().manual_seed(0))[:n_held]
+        held_ex = [held_ex[i] for i in sorted(keep.tolist())]
     gen = torch.Generator().manual_seed(seed)
     pool = [train_ex[i] for i in torch.randint(0, len(train_ex), (n_pool,), generator=gen).tolist()]
     return {"train_ex": train_ex, "held_ex": held_ex, "pool": pool,
             "train": packing.task_batch(tok, pool, device),
             "held": packing.task_batch(tok, held_ex, device)}
+
+
+def width_losses(model, data: dict, group_size: int, widths=(4, 3, 2)) -> dict:
+    """The held-out task loss of the RTN-quantized ``model`` at each width: where quantization
+    damages the bed (and so where recovering from it can be measured)."""
+    out = {}
+    with torch.no_grad():
+        for b in widths:
+            out[b] = float(lm_loss(quantize(model, b, group_size)[0], data["held"]))
+    return out
 
 
 def heldout_scores(models: dict, data: dict, tok) -> dict:
@@ -225,8 +271,8 @@ def zo_finetune(model, name: str, p: Perturbation, bits: int, group_size: int, d
     a fresh RTN copy at ``bits`` (``lr``, ``eps``, QZO's clip and floor). Batches of ``batch``
     pool rows from a generator seeded by ``seed + 1``; step ``i`` probes with seed
     ``7919 seed + i``. Returns the model, the held-out loss curve (every ``eval_every`` steps),
-    the training losses, the count of clipped steps, and the final held-out loss and exact
-    match."""
+    the training losses, the count of clipped steps, the final held-out loss and exact match,
+    and their per-problem values (``item_loss``, ``item_correct``) for paired comparisons."""
     if name == "fp MeZO":
         m = copy.deepcopy(model)
         params, lr_, eps_, clip, floor = list(m.parameters()), fp_lr, fp_eps, None, None
@@ -245,8 +291,10 @@ def zo_finetune(model, name: str, p: Perturbation, bits: int, group_size: int, d
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             with torch.no_grad():
                 curve.append((step + 1, float(lm_loss(m, data["held"]))))
+    correct = item_correct(m, tok, data["held_ex"])
     return {"model": m, "curve": curve, "train_loss": train_loss, "clipped": clipped,
-            "acc": evaluate.exact_match(m, tok, data["held_ex"]), "loss": curve[-1][1]}
+            "acc": float(correct.mean()), "loss": curve[-1][1],
+            "item_loss": item_losses(m, data["held"]), "item_correct": correct}
 
 
 def _train_vit(x, y, steps: int, seed: int, device) -> vit.TinyViT:
@@ -265,12 +313,13 @@ def _train_vit(x, y, steps: int, seed: int, device) -> vit.TinyViT:
 
 
 def vit_experiment(bits: int, group_size: int, laws: dict, train_steps: int, zo_steps: int,
-                   lr: float, eps: float, seed: int, device) -> dict:
+                   lr: float, eps: float, seed: int, device, items: dict | None = None) -> dict:
     """The small ViT on scikit-learn's digits (70% train): trained in fp with backprop, its block
     linears quantized by RTN at ``bits``, then the scales alone fine-tuned with each of ``laws``
     for ``zo_steps`` (batches from a generator seeded by ``seed + 5``, probe seed
-    ``31337 seed + step``). Returns the test accuracy of each: fp, RTN, and every law. Torch's
-    global generator is seeded with ``seed`` first (the ViT's initial weights)."""
+    ``31337 seed + step``). Returns the test accuracy of each: fp, RTN, and every law; a dict
+    passed as ``items`` receives each law's per-image correctness (for paired comparisons).
+    Torch's global generator is seeded with ``seed`` first (the ViT's initial weights)."""
     torch.manual_seed(seed)
     dg = classification.digits(train_frac=0.7, seed=seed)
     xtr, ytr, xte, yte = (t.to(device) for t in (dg.x_train, dg.y_train, dg.x_test, dg.y_test))
@@ -287,6 +336,9 @@ def vit_experiment(bits: int, group_size: int, laws: dict, train_steps: int, zo_
             zo_step(lambda: torch.nn.functional.cross_entropy(vq(xtr[idx]), ytr[idx]), vparams,
                     p, 31337 * seed + step, eps, lr)
         acc[name] = vit.accuracy(vq, xte, yte)
+        if items is not None:
+            with torch.no_grad():
+                items[name] = (vq(xte).argmax(-1) == yte).double().cpu().numpy()
     return acc
 
 
