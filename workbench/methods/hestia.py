@@ -22,8 +22,10 @@ normalization,
   of a Hessian trace ``chi_i = tr(H_i)`` (computed once on the full-precision model, before QAT)
   gives a sensitivity, and each tensor's temperature is scaled by it (:func:`temperature_scales`).
   Which tensors share one trace is the ``granularity`` (:func:`trace_groups`): ``"layer"`` (the
-  default of the public ``HessianTraceCalibrator.calibrate``) estimates the trace of the first
-  linear of each transformer block and gives it to every linear of that block.
+  default of the public ``HessianTraceCalibrator.calibrate`` and ``offline_calibration.py``'s
+  ``run_calibration``) estimates the trace of the first linear of each transformer block and gives
+  it to every linear of that block; ``"tensor"`` is what the public ``QuantConfig`` and shipped
+  ``configs/*.yaml`` set (``calibration_granularity: "tensor"``) and its command line passes on.
 
 Conventions follow the public code (hestia2026/Hestia, ``src/hestia/thermo_quantizer.py``,
 ``thermo_scheduler.py``, ``hessian/calibrator.py``): per-tensor absmean scale that stays in the
@@ -34,7 +36,7 @@ of ``log chi_i``. Deliberate differences: our schedule reaches ``T = 0`` exactly
 training step (the public cosine stops one step short), so training ends on hard weights; the
 calibration loss is the mean over one batch of blocks instead of the sum of ``num_batches``
 per-batch Hessian-vector products divided by their number (the same Hessian when the batches are
-equal halves of it); and "layer" groups are transformer blocks (see :func:`trace_groups`).
+equal parts of it); and "layer" groups are transformer blocks (see :func:`trace_groups`).
 
 Only the linear layers inside the transformer blocks (attention q/k/v/o and MLP gate/up/down) are
 ternary; token embeddings, the (tied) LM head and the RMSNorm gains stay in full precision, as is
