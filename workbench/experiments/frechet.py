@@ -5,9 +5,9 @@ The LoRA side: held-out prompts of the pool's families, a :class:`Bench` that sc
 slot of the ``PeftModel`` (the answer loss on a mixed batch, exact match per family) and writes
 merged factors into a slot, the reparameterization draws of C1 and C2, the identity check, and
 ``peft``'s own merges as the baselines of C4, and for the explorer the merges with one family
-weighted up (:func:`weighted_merges`, :func:`weight_table`). The MLP side (C3, C5): two ReLU MLPs trained on
-digits from different inits, their test metrics, the interpolation path and its loss barrier,
-the relabelling check, and the flat parameter vector the Fisher merge works on.
+weighted up (:func:`weighted_merges`, :func:`weight_table`). The MLP side (C3, C5): two ReLU MLPs
+trained on digits from different inits, their test metrics, the interpolation path and its loss
+barrier, the relabelling check, and the flat parameter vector the Fisher merge works on.
 """
 from __future__ import annotations
 
@@ -283,7 +283,7 @@ def fisher_errors(closed: torch.Tensor, numeric: torch.Tensor, fishers, eps: flo
     return err, maxabs
 
 
-# -- the explorer: the merge weights -----------------------------------------------------------------
+# -- the explorer: the merge weights -------------------------------------------------------------
 
 # the explorer's merges: name -> (their row in score_merges' table, the per-module merge)
 MERGES = {"quotient Fréchet": ("quotient", fr.merge_quotient),
