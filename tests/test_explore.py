@@ -17,19 +17,32 @@ def _draw_log():
     return calls, draw
 
 
-def test_static_fallback_draws_the_default_state_once(capsys):
+@pytest.fixture
+def shown(monkeypatch):
+    figs = []
+    monkeypatch.setattr(E, "_show", figs.append)
+    return figs
+
+
+def test_static_fallback_draws_the_default_state_once(capsys, shown):
     calls, draw = _draw_log()
-    fig = E.explore(draw, bits=[2, 3, 4], mode=["rtn", "gptq"], tail=E.range_(1.0, 3.0, 0.5),
+    out = E.explore(draw, bits=[2, 3, 4], mode=["rtn", "gptq"], tail=E.range_(1.0, 3.0, 0.5),
                     show=True)
+    assert out is None                      # shown once, not again as the cell's value
     assert calls == [{"bits": 2, "mode": "rtn", "tail": 1.0, "show": True}]
-    assert isinstance(fig, plt.Figure)
-    assert "a live session varies bits in [2, 3, 4]" in capsys.readouterr().out
+    assert len(shown) == 1 and isinstance(shown[0], plt.Figure)
+    text = capsys.readouterr().out
+    assert "default (bits=2, mode=rtn, tail=1.0, show=True)" in text
+    assert "bits {2, 3, 4}; mode {rtn, gptq}; tail 1.0..3.0 in steps of 0.5; show on or off" in text
 
 
 def test_live_controls_redraw_when_moved(monkeypatch):
     monkeypatch.setattr(E, "interactive", lambda: True)
+    boxes = []
+    monkeypatch.setattr(E, "display", boxes.append)
     calls, draw = _draw_log()
-    box = E.explore(draw, bits=[2, 3, 4], mode=["rtn", "gptq"], tail=E.range_(1.0, 3.0, 0.5, 2.0))
+    E.explore(draw, bits=[2, 3, 4], mode=["rtn", "gptq"], tail=E.range_(1.0, 3.0, 0.5, 2.0))
+    box = boxes[-1]
     controls = {c.description: c for c in box.children[0].children}
     assert type(controls["bits"]).__name__ == "SelectionSlider"
     assert type(controls["mode"]).__name__ == "Dropdown"
@@ -52,11 +65,14 @@ def test_bad_knobs_are_refused_with_what_to_give():
         E.range_(0.0, 1.0, 0.1, 2.0)
 
 
-def test_explore_table_picks_rows_by_the_knobs():
+def test_explore_table_picks_rows_by_the_knobs(shown):
     t = pd.DataFrame({"bits": [2, 2, 3, 3, 2, 2], "group": [8, 32, 8, 32, 8, 32],
                       "method": ["rtn", "rtn", "rtn", "rtn", "gsq", "gsq"],
                       "ppl": [30.0, 40.0, 12.0, 14.0, 20.0, 25.0]})
-    fig = E.explore_table(t, x="group", y="ppl", knobs=["bits"], by="method", title="ppl")
+    E.explore_table(t, x="group", y="ppl", knobs=["bits"], by="method", title="ppl",
+                    ylabel="perplexity")
+    fig = shown[-1]
+    assert fig.axes[0].get_ylabel() == "perplexity"
     lines = {ln.get_label(): list(ln.get_ydata()) for ln in fig.axes[0].get_lines()}
     assert lines == {"rtn": [30.0, 40.0], "gsq": [20.0, 25.0]}          # bits=2, the default
     with pytest.raises(KeyError, match="no column"):

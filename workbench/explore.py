@@ -88,50 +88,58 @@ def _show(fig) -> None:
         plt.close(fig)
 
 
-def explore(draw: Callable[..., object], **knobs):
-    """Controls for ``knobs`` over the picture ``draw(**values)`` (see the module docstring).
+def _offer(spec) -> str:
+    """What a live control would offer, in words."""
+    if isinstance(spec, bool):
+        return "on or off"
+    if isinstance(spec, range_):
+        return f"{spec.low}..{spec.high} in steps of {spec.step}"
+    return "{" + ", ".join(map(str, spec)) + "}"
 
-    Live: returns the widget box (controls and output). Otherwise: draws the defaults once and
-    returns that figure."""
+
+def explore(draw: Callable[..., object], **knobs) -> None:
+    """Controls for ``knobs`` over the picture ``draw(**values)`` (see the module docstring),
+    displayed here: live, the controls above the picture; otherwise the default state, drawn
+    once. Returns nothing, so a cell that ends with the call shows one picture."""
     if not knobs:
         raise ValueError("explore needs at least one knob to vary")
     start = defaults(knobs)
     if not interactive():
-        fig = draw(**start)
-        offered = ", ".join(f"{n} in {list(s) if isinstance(s, (list, tuple)) else s}"
-                            for n, s in knobs.items())
-        print(f"explorer (static: the default state {start}; a live session varies {offered})")
-        return fig
+        offered = "; ".join(f"{n} {_offer(s)}" for n, s in knobs.items())
+        state = ", ".join(f"{n}={v}" for n, v in start.items())
+        print(f"Explorer, drawn at its default ({state}). In a live session: {offered}.")
+        _show(draw(**start))
+        return
     controls = {n: _control(n, s) for n, s in knobs.items()}
     out = widgets.interactive_output(lambda **v: _show(draw(**v)), controls)
-    box = widgets.VBox([widgets.HBox(list(controls.values())), out])
-    display(box)
-    return box
+    display(widgets.VBox([widgets.HBox(list(controls.values())), out]))
 
 
-def _table_figure(rows: pd.DataFrame, x: str, y: str, by: str | None, title: str):
+def _table_figure(rows: pd.DataFrame, x: str, y: str, by: str | None, title: str,
+                  ylabel: str):
     """A plotly figure live (hover, zoom, toggle lines), a matplotlib one otherwise."""
     groups = rows.groupby(by, sort=False) if by else [(y, rows)]
     if interactive():
         fig = go.Figure([go.Scatter(x=g[x], y=g[y], name=str(k), mode="lines+markers",
                                     line=dict(color=plots.PALETTE[i % len(plots.PALETTE)]))
                          for i, (k, g) in enumerate(groups)])
-        return fig.update_layout(title=title, xaxis_title=x, yaxis_title=y,
+        return fig.update_layout(title=title, xaxis_title=x, yaxis_title=ylabel,
                                  template="plotly_white", hovermode="x unified")
     fig, ax = plots.subplots()
     for i, (k, g) in enumerate(groups):
         ax.plot(g[x], g[y], "o-", color=plots.PALETTE[i % len(plots.PALETTE)], label=str(k))
-    ax.set(title=title, xlabel=x, ylabel=y)
+    ax.set(xlabel=x, ylabel=ylabel)
+    ax.set_title(title, fontsize=9, wrap=True)
     if by:
         ax.legend(fontsize=8)
     return fig
 
 
 def explore_table(table: pd.DataFrame, x: str, y: str, knobs: list[str], by: str | None = None,
-                  title: str = ""):
+                  title: str = "", ylabel: str | None = None) -> None:
     """An explorer over a cached table: one control per column in ``knobs`` (its distinct
-    values, in the table's order), drawing ``y`` against ``x`` for the rows that match, one
-    line per ``by`` value."""
+    values, in the table's order), drawing ``y`` (axis label ``ylabel``, default the column's
+    name) against ``x`` for the rows that match, one line per ``by`` value."""
     missing = [c for c in [x, y, *knobs, *([by] if by else [])] if c not in table.columns]
     if missing:
         raise KeyError(f"explore_table: no column(s) {missing}; the table has {list(table.columns)}")
@@ -141,6 +149,7 @@ def explore_table(table: pd.DataFrame, x: str, y: str, knobs: list[str], by: str
         for k, v in values.items():
             rows = rows[rows[k] == v]
         label = ", ".join(f"{k}={v}" for k, v in values.items())
-        return _table_figure(rows.sort_values(x), x, y, by, f"{title} ({label})" if title else label)
+        return _table_figure(rows.sort_values(x), x, y, by,
+                             f"{title} ({label})" if title else label, ylabel or y)
 
-    return explore(draw, **{k: list(pd.unique(table[k])) for k in knobs})
+    explore(draw, **{k: list(pd.unique(table[k])) for k in knobs})
