@@ -51,6 +51,11 @@ def test_live_controls_redraw_when_moved(monkeypatch):
     controls["bits"].value = 4
     controls["mode"].value = "gptq"
     assert calls[-1] == {"bits": 4, "mode": "gptq", "tail": 2.0}
+    E.explore(draw, block=E.range_(1, 8, 1, 4))
+    slider = boxes[-1].children[0].children[0]
+    assert type(slider).__name__ == "IntSlider" and slider.value == 4
+    slider.value = 6
+    assert calls[-1] == {"block": 6} and isinstance(calls[-1]["block"], int)
 
 
 def test_bad_knobs_are_refused_with_what_to_give():

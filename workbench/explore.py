@@ -5,7 +5,7 @@ A notebook declares what to vary and how to draw one state; this module builds t
 knob, declared by its values:
 
 - a list or tuple of choices: a dropdown (strings) or a selection slider (numbers);
-- ``range_(low, high, step)``: a slider over a continuous range;
+- ``range_(low, high, step)``: a slider (whole numbers when all three are ints);
 - a bool: a checkbox.
 
 The first choice (or ``range_``'s ``value``) is the default. In a live Jupyter session
@@ -71,9 +71,10 @@ def _control(name: str, spec):
     if isinstance(spec, bool):
         return widgets.Checkbox(value=spec, description=name)
     if isinstance(spec, range_):
-        return widgets.FloatSlider(value=defaults({name: spec})[name], min=spec.low,
-                                   max=spec.high, step=spec.step, description=name,
-                                   continuous_update=False)
+        whole = all(isinstance(v, int) for v in (spec.low, spec.high, spec.step))
+        slider = widgets.IntSlider if whole else widgets.FloatSlider   # a block size stays an int
+        return slider(value=defaults({name: spec})[name], min=spec.low, max=spec.high,
+                      step=spec.step, description=name, continuous_update=False)
     if all(isinstance(v, str) for v in spec):
         return widgets.Dropdown(options=list(spec), value=spec[0], description=name)
     return widgets.SelectionSlider(options=list(spec), value=spec[0], description=name,
