@@ -48,3 +48,23 @@ def test_bench_table_names_the_best_candidate_per_family():
     bench = X.bench_table(correct, fam, ["a", "b"], ["p", "q"])
     assert bench.loc["a", "best"] == "p" and bench.loc["b", "best"] == "q"
     assert bench.loc["all families", "best"] == "q" and bench.loc["all families", "q"] == 0.6
+
+
+def test_two_level_table_takes_the_levels_apart():
+    g = np.random.default_rng(1)
+    static_test = (g.random((12, 2)) < 0.5).astype(float)
+    adapted = {"HAPS": (g.random((12, 2)) < 0.5).astype(float)}
+    arch, choice = g.integers(0, 2, 12), {"HAPS": g.integers(0, 2, 12)}
+    fam = np.array(["a", "b"] * 6)
+    t = X.two_level_table(static_test, adapted, arch, choice, fam, ["a", "b"])
+    s = X.routing_scores(static_test, static_test, adapted, arch, choice, ["x", "y"])
+
+    def at(params, router, family="all"):
+        r = t[(t.parameters == params) & (t.router == router) & (t.family == family)]
+        return float(r["exact match"].item())
+    assert at("generated LoRA", "its own router") == s["HAPS"].mean()          # HAPS itself
+    assert at("static", "architecture-only router") == s["architecture-only router"].mean()
+    assert at("static", "oracle") == s["oracle (static)"].mean()
+    assert at("generated LoRA", "oracle") == s["oracle (HAPS candidates)"].mean()
+    assert at("static", "random", "b") == static_test[fam == "b"].mean()
+    assert len(t) == 2 * 4 * 3 and (t["exact match"] <= 1).all()

@@ -13,7 +13,9 @@ and the training loop) is :mod:`workbench.methods.haps`. Here is what the notebo
   and against ``peft`` with the same A, B;
 - :class:`StaticRouter`, :func:`train_static_router`, :func:`routing_scores`: the baselines of C2
   (random, single best, architecture-only routing, the oracles) beside HAPS and its ablations;
-- :func:`latency`: C5, what routing and generating the LoRA cost against answering alone.
+- :func:`latency`: C5, what routing and generating the LoRA cost against answering alone;
+- :func:`two_level_table`: the explorer's table, each level of the hierarchy (which candidate,
+  which parameters) switched independently, over the scores already computed.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from ..models import zoo
 __all__ = ["GROUP", "benchmark", "encode", "max_new_tokens", "teacher_forced", "static_scores",
            "bench_table", "adapted_completions", "cached_haps", "generated_lora_check",
            "StaticRouter", "train_static_router", "routing_scores", "n_params", "best_of",
-           "latency", "summary"]
+           "latency", "summary", "two_level_table"]
 
 GROUP = "haps"          # this notebook's folder under the cache
 
@@ -323,3 +325,26 @@ def summary(per_family: pd.DataFrame, c1: pd.DataFrame, cost: pd.DataFrame, agre
     out.update({"c5_overhead_" + n.replace("-", "_"): float(v)
                 for n, v in cost["latency overhead"].items()})
     return out
+
+
+# -- the explorer -----------------------------------------------------------------------------------
+
+def two_level_table(static_test: np.ndarray, adapted: dict, arch_choice: np.ndarray,
+                    choice: dict, families: np.ndarray, fams: list[str]) -> pd.DataFrame:
+    """Test exact match with HAPS's two levels taken apart: for every trained variant
+    (``generators``), the candidates answer with their generated LoRA or as static models
+    (``parameters``), chosen by the variant's own router, the architecture-only router, the
+    oracle (any candidate right) or at random (expected). Columns generators, parameters,
+    router, family (``fams`` then "all"), exact match; every value is a lookup in the scores
+    the notebook already has, so a redraw costs nothing."""
+    rows, idx = [], np.arange(len(static_test))
+    for v in choice:
+        for params, m in (("generated LoRA", adapted[v]), ("static", static_test)):
+            per_query = {"its own router": m[idx, choice[v]],
+                         "architecture-only router": m[idx, arch_choice],
+                         "oracle": m.max(1), "random": m.mean(1)}
+            for router, s in per_query.items():
+                rows += [(v, params, router, f, float(s[families == f].mean())) for f in fams]
+                rows.append((v, params, router, "all", float(s.mean())))
+    return pd.DataFrame(rows, columns=["generators", "parameters", "router", "family",
+                                       "exact match"])
