@@ -118,3 +118,24 @@ def test_increase_ratio_and_separation_step_on_hand_made_norms():
     assert lab.separation_step(r, (10, 100), margin=5.0) is None
     wobble = np.r_[np.full(5, 1.2), np.full(5, 1.0), np.full(5, 1.3)]
     assert lab.separation_step(wobble, (0, 15)) == 10          # it must stay above to count
+
+
+# -- the explorer ------------------------------------------------------------------------------
+def test_gap_gradients_name_which_precisions_absorb_at_a_gap():
+    t = lab.gap_gradients(20.0, 2).set_index("dtype")
+    # past ln 2^24 = 16.6, float32 rounds p_y - 1 to exactly 0 while the row sum stays e^{-20}
+    assert t.loc["float32", "grad_y"] == 0 and t.loc["float32", "absorbed"]
+    assert t.loc["float32", "grad_sum"] == pytest.approx(math.exp(-20.0), rel=1e-3)
+    assert t.loc["float64", "grad_y"] != 0 and not t.loc["float64", "absorbed"]
+    assert t.loc["float16", "underflow"] and not t.loc["float16", "absorbed"]   # e^-20 < 6e-8
+    low = lab.gap_gradients(3.0, 2)
+    assert not low.absorbed.any() and (low.grad_y != 0).all()      # below every threshold
+
+
+def test_gap_states_and_figure():
+    sw = {"grad_y": np.array([-0.5, 0.0, 0.0]), "grad_other": np.array([0.5, 1e-9, 0.0])}
+    assert lab.gap_states(sw).tolist() == [0, 1, 2]
+    fig = lab.gap_figure(20.0, 5, step=0.5)
+    left, right = fig.axes
+    assert [t.get_text() for t in left.get_yticklabels()] == list(lab.DTYPES)
+    assert "float32\nabsorbed" in [t.get_text() for t in right.get_xticklabels()]

@@ -14,21 +14,26 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from matplotlib.colors import ListedColormap
 from torch.nn.utils import get_total_norm
 
+from workbench import plots
 from workbench.data.classification import Task
 from workbench.diagnostics import Tracker, growth_rate
-from workbench.methods.nfi import (absorbed_mask, classifier_mean_norm, collapsed_mask,
-                                   feature_mean_norm, logit_gaps, zero_sum_cross_entropy)
+from workbench.methods.nfi import (DTYPES, absorbed_mask, absorption_threshold,
+                                   classifier_mean_norm, collapsed_mask, feature_mean_norm,
+                                   gap_sweep, logit_gaps, zero_sum_cross_entropy)
 from workbench.progress import progress
 
 __all__ = ["VARIANTS", "TRACKED", "MLP", "TrainConfig", "init_model", "train", "train_variants",
            "detect_spikes", "spikes_of", "inflation_window", "growth_fit", "window_fits",
            "fit_curve", "fit_metrics", "increase_ratio", "separation_step", "spike_story",
-           "spike_stories", "log_doubling"]
+           "spike_stories", "log_doubling", "gap_gradients", "gap_states",
+           "gap_figure"]
 
 VARIANTS = ("float32", "float64", "zero_sum")   # zero_sum: float32 with ZeroSumCrossEntropy
 
@@ -254,3 +259,66 @@ def separation_step(ratio, window, margin: float = 1.1) -> int | None:
 def log_doubling(rate: float) -> float:
     """Steps to double at an exponential ``rate`` per step: ln 2 / rate (NaN unless rate > 0)."""
     return math.log(2) / rate if rate and rate > 0 else float("nan")
+
+
+# -- the explorer: which gradients vanish at a gap, per precision --------------------------------
+def gap_gradients(gap: float, num_classes: int = 2) -> pd.DataFrame:
+    """The cross-entropy gradient of one row [0, -g, ..., -g] in every dtype: the correct class's
+    p_y - 1, one wrong class's p_c and the row sum over classes (added in float64). ``absorbed``:
+    p_y - 1 is exactly 0 while the row sum is not, the broken zero-sum that drives the drift;
+    ``underflow``: e^{-g} itself rounds to 0, so every gradient of the row is 0 (no drift)."""
+    rows = []
+    for name in DTYPES:
+        sw = gap_sweep(name, num_classes, [gap])
+        one = {k: float(sw[k][0]) for k in ("gap", "grad_y", "grad_other", "grad_sum")}
+        rows.append({"dtype": name, **one, "threshold": absorption_threshold(name, num_classes),
+                     "absorbed": one["grad_y"] == 0 and one["grad_sum"] != 0,
+                     "underflow": one["grad_other"] == 0})
+    return pd.DataFrame(rows)
+
+
+def _gap_bars(ax, table: pd.DataFrame) -> None:
+    """|p_y - 1| and |row sum| per dtype on a log axis; an exact 0 is written, not drawn."""
+    x = np.arange(len(table))
+    for j, (key, label) in enumerate([("grad_y", "|p_y - 1|"), ("grad_sum", "|row sum|")]):
+        v = table[key].abs().to_numpy()
+        ax.bar(x + (j - 0.5) * 0.38, np.where(v > 0, v, np.nan), 0.38, label=label,
+               color=plots.PALETTE[j])
+        for xi in x[v == 0]:
+            ax.text(xi + (j - 0.5) * 0.38, 1e-44, "0", ha="center", va="bottom", fontsize=9)
+    state = np.where(table.absorbed, "absorbed", np.where(table.underflow, "underflow", ""))
+    ax.set_xticks(x, [f"{d}\n{s}" for d, s in zip(table.dtype, state)])
+    ax.set(yscale="log", ylim=(1e-45, 2), xlim=(-0.7, len(table) - 0.3),
+           ylabel="gradient magnitude")
+
+
+def gap_states(sweep: dict[str, np.ndarray]) -> np.ndarray:
+    """Per swept gap: 0 while p_y - 1 is non-zero (the zero-sum holds), 1 once it is exactly 0 but
+    the wrong classes' p_c are not (absorbed, the broken zero-sum), 2 once e^{-g} underflows too."""
+    return np.where(sweep["grad_other"] == 0, 2, np.where(sweep["grad_y"] == 0, 1, 0))
+
+
+def gap_figure(gap: float, num_classes: int = 2, step: float = 0.01):
+    """The explorer's picture (C1): left, for each dtype, where along the gap the correct-class
+    gradient is exact, absorbed (exactly 0 while the others are not) or underflowed, with the
+    analytic threshold ln(2/eps) + ln(C - 1) marked and a line at ``gap``; right, the gradients of
+    the row at ``gap`` per dtype, the ones rounded to exactly 0 written as 0."""
+    fig, (a0, a1) = plots.subplots(1, 2, figsize=(13, 3.6), width_ratios=[3, 2])
+    gaps = np.arange(0.0, 45.0, step)
+    states = np.stack([gap_states(gap_sweep(name, num_classes, gaps)) for name in DTYPES])
+    cmap = ListedColormap([plots.PALETTE[2], plots.PALETTE[1], "0.8"])
+    a0.imshow(states, aspect="auto", cmap=cmap, vmin=0, vmax=2, interpolation="nearest",
+              extent=(gaps[0], gaps[-1], len(DTYPES) - 0.5, -0.5))
+    for i, name in enumerate(DTYPES):
+        a0.plot([absorption_threshold(name, num_classes)] * 2, [i - 0.45, i + 0.45], "k:", lw=1)
+    a0.axvline(gap, color="k", lw=1.5)
+    a0.grid(False)
+    a0.set_yticks(range(len(DTYPES)), list(DTYPES))
+    a0.set(xlabel="logit gap g = z_y - z_c", title=f"C = {num_classes}: green exact, red absorbed "
+           "(p_y - 1 = 0, row sum > 0), grey underflow; dotted: analytic g*")
+    a0.title.set_fontsize(9)
+    table = gap_gradients(gap, num_classes)
+    _gap_bars(a1, table)
+    a1.set_title(f"the row [0, -g, ..., -g] at g = {gap:g}", fontsize=9)
+    a1.legend(loc="upper right", fontsize=8)
+    return fig
