@@ -86,3 +86,18 @@ def test_pattern_classifier_trains_like_the_notebook_and_decay_changes_it():
     assert torch.equal(m.w_hh, ref.w_hh) and torch.equal(m.table, ref.table)
     decayed = xp.pattern_classifier(task, S, 1e-2, 0.5, 7, torch.Generator().manual_seed(4), "cpu")
     assert decayed.w_hh.norm() < m.w_hh.norm()
+
+
+def test_ablation_sweep_starts_intact_and_cutting_every_component_leaves_no_memory():
+    task = _task()
+    m = ra.PatternRNN(task.vocab_size, 8, 4, task.n_classes, generator=torch.Generator().manual_seed(0))
+    seqs = task.sample(400, "novel", torch.Generator().manual_seed(1))
+    trans = seqs["transitions"].numpy()
+    t = xp.ablation_sweep(m, seqs["tokens"], m.w_hh.detach(), trans, seqs["label"], seed=0,
+                          k_max=8, n_rand=2)
+    assert len(t) == 2 * 9 * (1 + trans.shape[1])          # ablations x k x what is read
+    at0 = t[t["components cut"] == 0].pivot(index="read out", columns="ablation", values="accuracy")
+    assert np.allclose(at0.iloc[:, 0], at0.iloc[:, 1])      # k = 0: both are the intact network
+    # W_hh = 0: the final state sees the last token only, so no transition is remembered
+    gone = t[(t["components cut"] == 8) & (t.ablation == "top k singular components")]
+    assert (gone[gone["read out"].str.startswith("transition")].accuracy < 0.7).all()

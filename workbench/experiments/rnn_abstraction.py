@@ -8,11 +8,14 @@ shuffled-label control RNN and the scaffold-transfer runs of fresh next-token RN
 summary, and the pattern decoding of the next-token RNN against the classifier (C5). C3's
 control: the same classifier and the shuffled-label RNN trained at a second weight decay, and
 the rank profile of each recurrent matrix, so that "low rank emerges from the task" is judged
-against a network trained at equal decay on targets without the pattern structure.
+against a network trained at equal decay on targets without the pattern structure. The
+explorer's table: C4's ablation over the number of leading components cut, against the memory of
+each transition and the network's own pattern accuracy.
 """
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import torch
 from sklearn.decomposition import PCA
 from sklearn.linear_model import LinearRegression
@@ -22,7 +25,7 @@ from ..methods import rnn_abstraction as ra
 
 __all__ = ["state_pca", "transition_R", "random_direction_R", "ablated_final_states",
            "ablation_decoding", "pattern_classifier", "shuffled_label_rnn", "rank_profile",
-           "transfer_runs", "transfer_summary", "decoding_vs_classifier"]
+           "transfer_runs", "transfer_summary", "decoding_vs_classifier", "ablation_sweep"]
 
 
 def state_pca(H: np.ndarray) -> PCA:
@@ -148,3 +151,43 @@ def decoding_vs_classifier(H_clf: np.ndarray, H_other: np.ndarray, y: np.ndarray
     of another network, on the same sequences."""
     return {"classifier": ra.probe_accuracy(H_clf[:, -1], y, seed=seed),
             "next-token": ra.probe_accuracy(H_other[:, -1], y, seed=seed)}
+
+
+def _ablations(W: torch.Tensor, k_max: int, seed: int, n_rand: int) -> dict:
+    """``W_hh`` with its top k singular components cut (``("top", k)``) and with k random rank-one
+    matrices of the same norms cut (``("random", k, r)``, r < ``n_rand``), k = 0..``k_max``."""
+    out = {("top", 0): W, **{("random", 0, r): W for r in range(n_rand)}}
+    for k in range(1, k_max + 1):
+        out[("top", k)] = D.ablate_singular(W, list(range(k)))
+        for r in range(n_rand):
+            g = torch.Generator().manual_seed(1000 * seed + 100 * k + r)
+            out[("random", k, r)] = D.ablate_random(W, list(range(k)), g)
+    return out
+
+
+def ablation_sweep(model, tokens, W: torch.Tensor, trans: np.ndarray, labels, seed: int,
+                   k_max: int = 8, n_rand: int = 3) -> pd.DataFrame:
+    """C4 over the number of components cut: for k = 0..``k_max``, the final states with the top
+    k singular components of ``W_hh`` removed, or k random rank-one matrices of the same norms
+    (mean over ``n_rand`` draws), read by decoders of each transition fit on the intact states
+    (:func:`ra.fixed_probe`, balanced accuracy, chance 0.5) and by the network's own readout
+    (pattern accuracy, chance 1 / patterns). One row per (ablation, k, what is read)."""
+    variants = _ablations(W, k_max, seed, n_rand)
+    with torch.no_grad():
+        finals = {key: ra.states_with(model, tokens, w)[:, -1] for key, w in variants.items()}
+        own = {key: float((model.readout(h).argmax(1) == torch.as_tensor(labels)).float().mean())
+               for key, h in finals.items()}
+    finals = {key: h.numpy() for key, h in finals.items()}
+    reads = {"pattern (own readout)": own}
+    for j in range(trans.shape[1]):
+        reads[f"transition {j + 1}"] = ra.fixed_probe(finals[("top", 0)], trans[:, j], finals,
+                                                     seed=seed)
+    rows = []
+    for what, acc in reads.items():
+        for k in range(k_max + 1):
+            rand = [acc[("random", k, r)] for r in range(n_rand)]
+            rows += [{"ablation": "top k singular components", "components cut": k,
+                      "read out": what, "accuracy": acc[("top", k)]},
+                     {"ablation": "k random rank-one (same norms)", "components cut": k,
+                      "read out": what, "accuracy": float(np.mean(rand))}]
+    return pd.DataFrame(rows)
