@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from workbench import evaluate
 from workbench.experiments import lqzo as ex
 from workbench.methods import lqzo as M
 from workbench.models import zoo
@@ -98,7 +99,7 @@ def test_item_losses_average_to_the_batch_loss_when_answers_have_one_length():
         batch = float(ex.lm_loss(model, d["held"]))
     assert per.shape == (12,)
     assert np.sum(per * n_tok) / n_tok.sum() == pytest.approx(batch, rel=1e-5)  # token-weighted
-    correct = ex.item_correct(model, tok, d["held_ex"])
+    correct = evaluate.item_scores(model, tok, d["held_ex"])
     assert set(np.unique(correct)) <= {0.0, 1.0}
     out = ex.paired(np.ones(40), np.zeros(40))
     assert out["diff"] == 1.0 and out["low"] == 1.0 and out["n_items"] == 40

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from workbench import diagnostics as D
 from workbench.diagnostics import hutchinson_trace
 from workbench.methods import hestia as H
 
@@ -197,15 +198,15 @@ def test_hutchpp_is_exact_on_a_matrix_whose_rank_fits_its_sketch():
     A = _sym(eigs, seed=0)
     for k in (4, 6):                                                # sketch = rank, and wider
         for s in range(3):
-            est = H.hutchpp(lambda X: A @ X, 60, num_sketch=k, num_query=5,
+            est = D.hutchpp(lambda X: A @ X, 60, num_sketch=k, num_query=5,
                             generator=torch.Generator().manual_seed(s))
             assert abs(est - sum(eigs)) < 1e-10
     # a sketch as wide as the matrix returns the subspace trace alone, exact for any matrix
     B = _sym(torch.linspace(1, 2, 10).tolist(), seed=1)
-    assert abs(H.hutchpp(lambda X: B @ X, 10, 12, 3, torch.Generator().manual_seed(0))
+    assert abs(D.hutchpp(lambda X: B @ X, 10, 12, 3, torch.Generator().manual_seed(0))
                - float(torch.trace(B))) < 1e-10
     # Hutchinson is not exact on the same rank-4 matrix
-    hut = H.hutchinson(lambda X: A @ X, 60, 16, torch.Generator().manual_seed(0))
+    hut = D.hutchinson(lambda X: A @ X, 60, 16, torch.Generator().manual_seed(0))
     assert abs(hut - sum(eigs)) > 1e-3
 
 
@@ -215,8 +216,8 @@ def test_hutchpp_has_lower_variance_than_hutchinson_at_equal_matvecs():
     hpp, hut = [], []
     for s in range(300):
         g = torch.Generator().manual_seed(s)
-        hpp.append(H.hutchpp(lambda X: A @ X, 100, 8, 8, g))        # 2 * 8 + 8 = 24 matvecs
-        hut.append(H.hutchinson(lambda X: A @ X, 100, 24, g))      # 24 matvecs
+        hpp.append(D.hutchpp(lambda X: A @ X, 100, 8, 8, g))        # 2 * 8 + 8 = 24 matvecs
+        hut.append(D.hutchinson(lambda X: A @ X, 100, 24, g))      # 24 matvecs
     hpp, hut = torch.tensor(hpp), torch.tensor(hut)
     assert abs(float(hpp.mean()) - exact) < 4 * float(hpp.std()) / math.sqrt(300)  # unbiased
     assert float(hpp.var()) < 0.2 * float(hut.var())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from . import quant
@@ -17,7 +18,7 @@ from .data import corpus, tasks
 from .models.recipes import ALL_FAMILIES, difficulties
 
 __all__ = ["MIDDLE", "heldout_examples", "evaluate_tasks", "quant_sensitivity", "perplexity",
-           "unigram_perplexity", "generate", "task_accuracy", "exact_match"]
+           "unigram_perplexity", "generate", "task_accuracy", "item_scores", "exact_match"]
 
 
 # the "middle" difficulty of each family (issue 18): 3-digit add/sub, strings of 5, kv with 4
@@ -148,12 +149,25 @@ def task_accuracy(model, tok, family: str, n: int = 50, seed: int = 0,
     return exact_match(model, tok, exs, with_steps)
 
 
+def _greedy_completions(model, tok, examples, with_steps: bool) -> list[str]:
+    """Greedy completions with room for the longest reference completion and two tokens."""
+    longest = max(len(tok(e.completion(with_steps), add_special_tokens=False)["input_ids"])
+                  for e in examples)
+    return generate(model, tok, [e.prompt for e in examples], max_new_tokens=longest + 2)
+
+
+def item_scores(model, tok, examples, with_steps: bool = False) -> np.ndarray:
+    """Per example, the verifier's score (1.0 or 0.0) of the greedy completion: what
+    :func:`exact_match` averages, kept per item for paired comparisons
+    (``diagnostics.paired_bootstrap``)."""
+    comps = _greedy_completions(model, tok, examples, with_steps)
+    return np.array([tasks.score(e, c) for e, c in zip(examples, comps)], dtype=float)
+
+
 def exact_match(model, tok, examples, with_steps: bool = False, return_tokens: bool = False):
     """Mean verifier score (exact match of the final answer) of greedy completions; with
     ``return_tokens`` also the mean number of tokens the model wrote (up to its ``<eos>``)."""
-    longest = max(len(tok(e.completion(with_steps), add_special_tokens=False)["input_ids"])
-                  for e in examples)
-    comps = generate(model, tok, [e.prompt for e in examples], max_new_tokens=longest + 2)
+    comps = _greedy_completions(model, tok, examples, with_steps)
     acc = sum(tasks.score(e, c) for e, c in zip(examples, comps)) / len(examples)
     if not return_tokens:
         return acc

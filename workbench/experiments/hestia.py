@@ -34,7 +34,7 @@ from workbench.models.recipes import difficulties
 from workbench.plots import subplots
 
 __all__ = ["LIMITS", "KEY", "COLOR", "limits", "qat_config", "train_stream", "block_nll",
-           "task_items", "item_scores", "Bed", "load_bed", "reference_rows", "sensitivities",
+           "task_items", "Bed", "load_bed", "reference_rows", "sensitivities",
            "trace_table", "qat_methods", "qat_run", "qat_metrics", "row_table", "compare", "consistency",
            "step_time", "step_times", "export_gguf", "c2_evidence", "schedule_figure"]
 
@@ -105,15 +105,6 @@ def task_items(family: str, n: int, seed: int, easiest: int | None) -> list:
     return [e for d in ds for e in tasks.generate(family, -(-n // len(ds)), seed, d)][:n]
 
 
-def item_scores(model, tok, examples) -> np.ndarray:
-    """Per example, the verifier's score (exact match) of the greedy completion, as
-    ``evaluate.exact_match`` computes their mean."""
-    longest = max(len(tok(e.completion(False), add_special_tokens=False)["input_ids"])
-                  for e in examples)
-    comps = evaluate.generate(model, tok, [e.prompt for e in examples], max_new_tokens=longest + 2)
-    return np.array([tasks.score(e, c) for e, c in zip(examples, comps)], dtype=float)
-
-
 @dataclass
 class Bed:
     """The backbone, its QAT data and its evaluation sets."""
@@ -147,7 +138,7 @@ class Bed:
         nll = block_nll(model, self.held_final)
         exs = task_items(self.task_family, self.task_examples, 777,
                          self.card["recipe"].get("easiest"))
-        correct = item_scores(model, self.tok, exs)
+        correct = evaluate.item_scores(model, self.tok, exs)
         return {"ppl": float(np.exp(nll.mean())), "acc": float(correct.mean()), "nll": nll,
                 "correct": correct}
 

@@ -5,8 +5,8 @@ What the notebook drives around the method (:mod:`workbench.methods.lqzo`):
 
 - the task: train and held-out problems of a family, a fixed training pool and padded batches
   (:func:`task_data`), the models' held-out scores (:func:`heldout_scores`), the task loss
-  (:func:`lm_loss`), its per-problem values and exact matches (:func:`item_losses`,
-  :func:`item_correct`) and row subsets (:func:`subset`);
+  (:func:`lm_loss`), its per-problem values (:func:`item_losses`; exact matches by
+  ``evaluate.item_scores``) and row subsets (:func:`subset`);
 - C2: the true (autograd) gradient of the scales (:func:`true_gradient`) and how much of each
   layer's energy sits in its top singular directions, against random matrices of the same shape
   (:func:`energy_top`, :func:`gradient_spectrum`);
@@ -38,7 +38,7 @@ from ..methods.lqzo import (CLIP, MIN_SCALE, Perturbation, directions, flat, nea
                             quantize, sample_batch, zo_estimate, zo_step)
 from ..models import vit
 
-__all__ = ["lm_loss", "item_losses", "item_correct", "paired", "subset", "task_data",
+__all__ = ["lm_loss", "item_losses", "paired", "subset", "task_data",
            "width_losses", "heldout_scores", "true_gradient", "cosine", "energy_top",
            "gradient_spectrum", "estimator_quality", "linearized_quality", "forward_quality",
            "layer_quality", "quality_table", "best_time", "draw_times", "zo_finetune",
@@ -61,14 +61,6 @@ def item_losses(model, batch: dict) -> np.ndarray:
                                                 ignore_index=-100, reduction="none")
         mask = (labels != -100).double()
         return ((nll.double() * mask).sum(1) / mask.sum(1).clamp(min=1)).cpu().numpy()
-
-
-def item_correct(model, tok, examples) -> np.ndarray:
-    """Per example, the verifier's score of the greedy completion (``evaluate.exact_match`` is
-    their mean)."""
-    longest = max(len(tok(e.completion(), add_special_tokens=False)["input_ids"]) for e in examples)
-    comps = evaluate.generate(model, tok, [e.prompt for e in examples], max_new_tokens=longest + 2)
-    return np.array([tasks.score(e, c) for e, c in zip(examples, comps)], dtype=float)
 
 
 def paired(a, b, seed: int = 0) -> dict:
@@ -291,7 +283,7 @@ def zo_finetune(model, name: str, p: Perturbation, bits: int, group_size: int, d
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             with torch.no_grad():
                 curve.append((step + 1, float(lm_loss(m, data["held"]))))
-    correct = item_correct(m, tok, data["held_ex"])
+    correct = evaluate.item_scores(m, tok, data["held_ex"])
     return {"model": m, "curve": curve, "train_loss": train_loss, "clipped": clipped,
             "acc": float(correct.mean()), "loss": curve[-1][1],
             "item_loss": item_losses(m, data["held"]), "item_correct": correct}

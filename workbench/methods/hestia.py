@@ -54,14 +54,14 @@ from torch import nn
 
 from scipy import integrate, optimize
 
-from ..diagnostics import hutchinson_trace
+from ..diagnostics import hutchinson_trace, hutchpp
 from ..quant import absmean_ternary, block_linears
 from ..quant import ternary_ste as ste_ternary   # STE baseline: forward Q(W), identity grad
 
 __all__ = ["CODEBOOK", "MODES", "absmean_scale", "hard_ternary", "ternary_state", "ste_ternary",
            "soft_ternary", "soft_ternary_reference", "soft_ternary_closed_form",
            "optimal_init_temp", "Schedule", "temperature_scales", "GRANULARITIES",
-           "rademacher", "hutchpp", "hutchinson", "trace_groups", "hessian_traces",
+           "trace_groups", "hessian_traces",
            "TernaryLinear", "ternarize", "ternary_layers", "mode_as", "FlipCounter", "relaxed_gap",
            "directional_check", "QATConfig", "set_schedule", "qat"]
 
@@ -226,45 +226,7 @@ def temperature_scales(traces: dict[str, float], kappa: float = 1.0, alpha: floa
     return {k: math.exp(-alpha * s) for k, s in sens.items()}, sens
 
 
-# -- trace estimators -------------------------------------------------------------------------
-
-def rademacher(n: int, k: int, generator: torch.Generator, dtype=torch.float64,
-               device=None) -> torch.Tensor:
-    """An ``(n, k)`` matrix of independent +-1 entries."""
-    return torch.randint(0, 2, (n, k), generator=generator, device=device).to(dtype) * 2 - 1
-
-
-def hutchpp(matvec, n: int, num_sketch: int, num_query: int,
-            generator: torch.Generator) -> float:
-    """Hutch++ (Meyer, Musco, Musco & Woodruff 2021, Algorithm 1) of a symmetric ``n x n`` operator
-    given by ``matvec(X) = A X`` on ``(n, k)`` float64 blocks; ``2 num_sketch + num_query`` matvecs.
-
-        S Rademacher (n x k),  Q = orth(A S),  G Rademacher (n x m),  P = I - Q Q^T
-        tr(A) ~ tr(Q^T A Q) + tr(G^T P A P G) / m
-
-    The exact trace of ``A`` on the sketched subspace plus a Hutchinson estimate of the rest, so
-    it is exact when ``rank A <= num_sketch``, and its variance falls much faster with the matvec
-    count than Hutchinson's when the spectrum decays. The phases follow the public
-    ``HutchPlusPlusState`` (``hessian/hutchpp.py``): the sketch is capped at ``n``, and a sketch
-    of ``n`` columns returns the subspace trace alone (then exact).
-    """
-    k = min(num_sketch, n)
-    Q, _ = torch.linalg.qr(matvec(rademacher(n, k, generator)))     # phase 1: range of A S
-    low = float((Q * matvec(Q)).sum())                               # phase 2: tr(Q^T A Q)
-    if k >= n or num_query <= 0:
-        return low
-    G = rademacher(n, num_query, generator)                          # phase 3: the residual
-    Z = matvec(G - Q @ (Q.T @ G))                                    # A P G
-    Z = Z - Q @ (Q.T @ Z)                                            # P A P G
-    return low + float((G * Z).sum()) / num_query
-
-
-def hutchinson(matvec, n: int, num: int, generator: torch.Generator) -> float:
-    """Hutchinson's estimate ``mean_j g_j^T A g_j`` over ``num`` Rademacher ``g_j`` (``num``
-    matvecs): the baseline Hutch++ improves on."""
-    G = rademacher(n, num, generator)
-    return float((G * matvec(G)).sum()) / num
-
+# -- trace groups (the estimators, Hutch++ and Hutchinson, are in workbench.diagnostics) -------------------------------------------------------------------------
 
 def trace_groups(names: list[str], granularity: str = "layer") -> dict[str, list[str]]:
     """Which tensors share one trace, as the public ``HessianTraceCalibrator.calibrate`` groups
