@@ -64,3 +64,8 @@ def test_the_plot_draws_a_line_per_method():
     s = sweep(_toy, ["a", "b"], [0.001, 0.01, 0.1], select="val")
     ax = s.plot("test")
     assert len(ax.get_legend().get_texts()) == 2 and ax.get_xscale() == "log"
+    names = [f"m{i}" for i in range(9)]
+    many = sweep(lambda m, v: {"val": 1.0}, names, [0.01, 0.1], select="val")
+    styles = {ln.get_label(): ln.get_linestyle() for ln in many.plot().get_lines()
+              if not ln.get_label().startswith("_")}
+    assert styles["m0"] == "-" and styles["m8"] == "--"     # past the palette: dashed

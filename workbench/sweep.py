@@ -57,7 +57,8 @@ class Sweep:
             _, ax = plots.subplots()
         for i, (method, runs) in enumerate(self.table.groupby("method", sort=False)):
             color = plots.PALETTE[i % len(plots.PALETTE)]
-            ax.plot(runs[self.knob], runs[metric], "o-", color=color, label=method)
+            style = ("-", "--", ":")[i // len(plots.PALETTE) % 3]     # more methods than colours
+            ax.plot(runs[self.knob], runs[metric], marker="o", ls=style, color=color, label=method)
             b = self.at_best(method)
             if b["selected"]:
                 ax.plot([b[self.knob]], [b[metric]], "o", ms=12, mfc="none", color=color)
