@@ -1,10 +1,13 @@
 """Paper 04's harness (workbench.experiments.hybrid_lora): the bed's splits, C3's Eckart-Young
-check, the rank matched to Hybrid-LoRA's trainable count, the cached run and the cost table."""
+check, the rank matched to Hybrid-LoRA's trainable count, the cached run, the cost table and the
+explorer over the score's rank r."""
 import json
 
+import matplotlib.pyplot as plt
 import pandas as pd
 import pytest
 import torch
+from matplotlib.patches import Rectangle
 
 from workbench.experiments import hybrid_lora as X
 from workbench.methods import hybrid_lora as H
@@ -76,3 +79,48 @@ def test_final_table_takes_the_last_step_and_the_gain_over_step_zero():
     assert list(final.index) == ["full", "lora"]
     assert final.loc["full", "mean"] == pytest.approx(0.5) and final.loc["full", "gain"] == pytest.approx(0.3)
     assert final.loc["lora", "trainable"] == 3 and isinstance(final, pd.DataFrame)
+
+
+def _grads(seed=0, layers=2):
+    g = torch.Generator().manual_seed(seed)
+    return {f"model.layers.{i}.self_attn.{k}": torch.randn(12, 3, generator=g) @ torch.randn(
+        3, 9, generator=g) + 0.1 * torch.randn(12, 9, generator=g)
+        for i in range(layers) for k in ("q_proj", "v_proj")}
+
+
+def test_energy_curves_give_the_score_at_every_rank():
+    grads = _grads()
+    curves = X.energy_curves(grads)
+    for n, c in curves.items():
+        assert len(c) == 10 and c[0] == 0 and c[-1] == pytest.approx(1)
+        assert (pd.Series(c).diff()[1:] >= 0).all()
+    for r in (1, 2, 3, 5, 8):
+        want = {n: H.hybrid_score(g, r) for n, g in grads.items()}
+        assert X.scores_at(curves, r) == pytest.approx(want)
+    assert set(X.scores_at(curves, 50).values()) == {0.0}     # past the smaller side: none missed
+
+
+def test_rank_sweep_selects_like_the_method_and_compares_the_two_batches():
+    ca = X.energy_curves(_grads(0))
+    same = X.rank_sweep(ca, ca, range(1, 5), budget=0.5)
+    assert list(same["rank"]) == [1, 2, 3, 4]
+    assert (same.spearman == 1).all() and (same.overlap == 1).all()
+    for row in same.itertuples():
+        assert row.chosen == H.select_modules(X.scores_at(ca, row.rank), 0.5)
+        assert len(row.chosen) == 2
+        assert row.max_score == pytest.approx(max(X.scores_at(ca, row.rank).values()))
+    other = X.rank_sweep(ca, X.energy_curves(_grads(1)), [2], budget=0.25)
+    assert -1 <= other.spearman[0] <= 1 and other.overlap[0] in (0.0, 1.0)
+
+
+def test_rank_figure_boxes_the_selection_and_marks_the_trained_one():
+    ca = X.energy_curves(_grads(0))
+    sweep = X.rank_sweep(ca, X.energy_curves(_grads(1)), range(1, 6), 0.5)
+    trained = ["model.layers.0.self_attn.q_proj"]
+    fig = X.rank_figure(ca, sweep, 2, 0.5, trained, 3)
+    heat_ax = fig.axes[0]
+    boxes = [p for p in heat_ax.patches if isinstance(p, Rectangle)]
+    assert len(boxes) == 2 + 1 and sum(p.get_linestyle() == "--" for p in boxes) == 1
+    assert len(fig.axes[1].get_lines()) == len(ca) + 1          # a curve per module, the r line
+    assert "r = 2" in fig.axes[1].get_title()
+    plt.close(fig)

@@ -12,7 +12,10 @@ notebook drives around it:
   held-out reward curve, the trainable count, the optimizer state and the step times;
 - :class:`Runs`, :func:`cached_run`: every method's runs, each trained once and cached
   (:func:`workbench.cache.build`), and the tables of C1, C2, C4 and C5 (:func:`curves`,
-  :func:`final_table`, :func:`cost_table`).
+  :func:`final_table`, :func:`cost_table`);
+- :func:`energy_curves`, :func:`scores_at`, :func:`rank_sweep`, :func:`rank_figure`: the
+  explorer over the rank r of the score (3): one SVD per probe gradient, then any r's scores,
+  selection and agreement of the two probe batches are lookups.
 """
 from __future__ import annotations
 
@@ -24,12 +27,13 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 import pandas as pd
 import torch
+from matplotlib.patches import Rectangle
 from datasets import Dataset
 from scipy.stats import spearmanr
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-from .. import cache, evaluate
+from .. import cache, evaluate, plots
 from ..data import tasks
 from ..methods import hybrid_lora as H
 from ..models import zoo
@@ -37,7 +41,8 @@ from ..models import zoo
 __all__ = ["GRPOSettings", "problems", "base_rewards", "score_modules", "residual",
            "eckart_young_check", "score_grid", "param_groups", "optimizer_state_bytes",
            "heldout_reward", "train_grpo", "cached_run", "matched_rank", "Runs", "curves",
-           "final_table", "cost_table", "summary", "layer_of", "GROUP", "KINDS"]
+           "final_table", "cost_table", "summary", "layer_of", "energy_curves", "scores_at",
+           "rank_sweep", "rank_figure", "GROUP", "KINDS"]
 
 GROUP = "04-hybrid-lora"        # the cache folder of the GRPO runs
 KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -97,7 +102,8 @@ def score_modules(model, tok, probe_a: list, probe_b: list, group: int, max_new_
     scores_b = {n: H.hybrid_score(g, rank) for n, g in grads_b.items()}
     names = list(scores)
     chosen = H.select_modules(scores, budget)
-    return {"grads": grads, "probe_stats": stats, "scores": scores, "scores_b": scores_b,
+    return {"grads": grads, "grads_b": grads_b, "probe_stats": stats, "scores": scores,
+            "scores_b": scores_b,
             "names": names, "chosen": chosen, "control": H.random_modules(names, len(chosen), seed),
             "spearman": float(spearmanr([scores[n] for n in names],
                                         [scores_b[n] for n in names]).statistic),
@@ -330,3 +336,80 @@ def summary(final: pd.DataFrame, full_gain: pd.Series, cost: pd.DataFrame, lora_
                c5_fastest_step_ms=float(cost["step_ms"].min()),
                c5_slowest_step_ms=float(cost["step_ms"].max()))
     return out
+
+
+# -- the explorer: the rank r of the score (3) -----------------------------------------------------
+
+def energy_curves(grads: dict) -> dict:
+    """Per module, the share of its gradient's energy the best rank-i update holds, for
+    i = 0 .. min(shape) (Eckart-Young: the top-i singular values' squares over all of them), so
+    the score (3) at rank r is ``1 - curve[r]``; one SVD per module."""
+    out = {}
+    for n, g in grads.items():
+        s2 = torch.linalg.svdvals(g.double()).numpy() ** 2
+        out[n] = np.concatenate([[0.0], np.cumsum(s2) / max(s2.sum(), 1e-300)])
+    return out
+
+
+def scores_at(curves: dict, rank: int) -> dict:
+    """The score (3) of every module at ``rank`` (0 past a module's smaller side)."""
+    return {n: float(max(0.0, 1.0 - c[min(rank, len(c) - 1)])) for n, c in curves.items()}
+
+
+def rank_sweep(curves_a: dict, curves_b: dict, ranks, budget: float) -> pd.DataFrame:
+    """Per rank: the Spearman correlation of the two probe batches' scores, the overlap of
+    their selections within ``budget``, the largest score on batch A and A's selection."""
+    rows, names = [], list(curves_a)
+    for r in ranks:
+        a, b = scores_at(curves_a, r), scores_at(curves_b, r)
+        chosen = H.select_modules(a, budget)
+        rows.append({"rank": int(r), "chosen": chosen, "max_score": max(a.values()),
+                     "spearman": float(spearmanr([a[n] for n in names],
+                                                 [b[n] for n in names]).statistic),
+                     "overlap": len(set(chosen) & set(H.select_modules(b, budget))) / len(chosen)})
+    return pd.DataFrame(rows)
+
+
+def _heatmap(ax, fig, scores: dict, chosen: list, trained: list, rank: int) -> None:
+    """The scores as a (layer, kind) heatmap; red boxes: ``chosen``, dashed white: ``trained``."""
+    heat, kinds = score_grid(scores)
+    im = ax.imshow(heat, cmap="viridis", aspect="auto")
+    for names, style in ((trained, dict(ec="white", ls="--", lw=1.5)),
+                         (chosen, dict(ec="red", lw=2.5))):
+        for n in names:
+            ax.add_patch(Rectangle((kinds.index(n.split(".")[-1]) - 0.5, layer_of(n) - 0.5), 1, 1,
+                                   fill=False, **style))
+    ax.set_xticks(range(len(kinds)), kinds, rotation=30)
+    ax.set_yticks(range(len(heat)), [f"layer {i}" for i in range(len(heat))])
+    ax.grid(False)
+    ax.set_title(f"score (3) at r = {rank}; red: full modules, dashed: trained", fontsize=9)
+    fig.colorbar(im, ax=ax, label="score")
+
+
+def rank_figure(curves: dict, sweep: pd.DataFrame, rank: int, budget: float,
+                trained: list, trained_rank: int):
+    """The explorer's picture at ``rank``: the score heatmap with its selection (and the one the
+    runs trained, at ``trained_rank``), every module's missed energy against the rank with the
+    selection in red, and the two probe batches' agreement across ranks."""
+    scores = scores_at(curves, rank)
+    chosen = H.select_modules(scores, budget)
+    fig, (ax, bx, cx) = plots.subplots(1, 3, figsize=(15, 3.9))
+    _heatmap(ax, fig, scores, chosen, trained, rank)
+    top = int(sweep["rank"].max())
+    for n, c in curves.items():
+        red = n in chosen
+        bx.plot(range(1, top + 1), np.maximum(1 - c[1:top + 1], 1e-6), color="#d1495b" if red else
+                "0.6", lw=2 if red else 0.8, zorder=3 if red else 1)
+    bx.axvline(rank, color="k", ls=":", lw=1)
+    bx.set(yscale="log", xlabel="rank r", ylabel="energy a rank-r update misses",
+           title=f"every module's score (3); red: the {len(chosen)} chosen at r = {rank}")
+    cx.plot(sweep["rank"], sweep["spearman"], "o-", ms=3, color=plots.PALETTE[0],
+            label="Spearman, batch A vs B")
+    cx.plot(sweep["rank"], sweep["overlap"], "s-", ms=3, color=plots.PALETTE[2],
+            label=f"top-{len(chosen)} overlap, A vs B")
+    cx.axvline(rank, color="k", ls=":", lw=1)
+    cx.axvline(trained_rank, color=plots.PALETTE[1], ls="--", lw=1,
+               label=f"trained r = {trained_rank}")
+    cx.set(xlabel="rank r", ylim=(-0.05, 1.05), title="Is the ranking the modules' or the batch's?")
+    cx.legend(fontsize=7)
+    return fig
