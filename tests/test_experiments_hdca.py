@@ -200,3 +200,24 @@ def test_curvature_sweep_has_one_row_per_curvature():
     sweep = ex.curvature_sweep(_bed(), S, 20.0, 0, [1.0, 64.0], "output")
     assert list(sweep.index) == [1.0, 64.0] and list(sweep.columns) == list(ex.METRICS)
     assert isinstance(sweep, pd.DataFrame)
+
+
+def test_residual_plane_and_the_explorers_figure():
+    bed = _bed()
+    ad = ex.new_adapter(bed, "output", 2, 0, True, 4.0, 4.0)
+    for _ in range(2):
+        ad.new_session()
+        with torch.no_grad():
+            ad.adapters[-1].B.normal_(0, 1.0)
+    plane = ex.residual_plane(ad, bed["f_te"], n_max=10)
+    assert plane["raw"].shape == (20, bed["f_te"].shape[1]) and plane["basis"].shape[0] == 2
+    assert plane["session"].tolist() == [0] * 10 + [1] * 10
+    with torch.no_grad():                       # the rows are the adapter's own residuals
+        assert np.allclose(plane["raw"][:10], ad.residuals(bed["f_te"][:10])[0].numpy(), atol=1e-6)
+    proj = np.linalg.norm(plane["raw"] @ plane["basis"].T, axis=1)
+    assert (proj <= np.linalg.norm(plane["raw"], axis=1) + 1e-9).all()   # never longer
+    sweep = pd.DataFrame({k: [0.5, 0.4] for k in ex.METRICS}, index=[1.0, 16.0])
+    fig = ex.compression_figure(plane, 16.0, sweep, units=4.0)
+    assert len(fig.axes) == 3 and fig.axes[2].get_lines()[-1].get_xdata()[0] == 16.0
+    circle = fig.axes[0].patches[0]
+    assert circle.get_radius() == pytest.approx(0.5)           # 1 / sqrt(16 / 4)

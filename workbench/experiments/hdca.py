@@ -21,7 +21,10 @@ What the notebook drives around the method (:mod:`workbench.methods.hdca`):
 - the diagnostics of C1 and C2: the trained per-task residuals scaled up and compressed
   (:func:`residual_growth`), and the Poincare head's ranking against the cosine head's on the
   adapted features with the heads' slope ratios (:func:`ranking_agreement`,
-  :func:`slope_ratios`).
+  :func:`slope_ratios`);
+- the explorer of the curvature: the trained residuals in a plane, re-compressed at any
+  curvature, beside the map and the sweep's metrics (:func:`residual_plane`,
+  :func:`compression_figure`).
 
 Metrics follow PyCIL (G-U-N/PyCIL, ``trainer.py`` and ``utils/toolkit.py``): average incremental
 accuracy = mean of the accuracy curve over sessions (accuracy on all classes seen so far, after
@@ -36,18 +39,20 @@ import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
+from matplotlib.patches import Circle
 
+from .. import plots
 from ..data import images
 from ..diagnostics import paired_bootstrap
-from ..methods.hdca import (EncoderHDCA, HDCAAdapter, block_inputs, compress, cosine_logits,
-                            logit_slope, poincare_logits)
+from ..methods.hdca import (EncoderHDCA, HDCAAdapter, block_inputs, compress,
+                            compression_ratio, cosine_logits, logit_slope, poincare_logits)
 from ..models import clip
 
 __all__ = ["ABLATION", "METRICS", "VARIANTS", "EXEMPLAR_FREE", "session_splits",
            "encoder_inputs", "family_bed", "train_session", "accuracy", "cil_metrics",
            "run_sessions", "curvatures", "new_adapter", "compare_methods", "ablation_runs",
            "curvature_sweep", "item_scores", "paired_gains", "beats", "residual_growth",
-           "ranking_agreement", "slope_ratios"]
+           "ranking_agreement", "slope_ratios", "residual_plane", "compression_figure"]
 
 # the C4 ablation: which compression stage is on (per-task c, cumulative c) as 0 / 1 factors
 ABLATION = {"none": (0, 0), "per-task": (1, 0), "cumulative": (0, 1), "both": (1, 1)}
@@ -413,3 +418,66 @@ def slope_ratios(scale: float, alpha: float, c_head: float) -> dict:
     sp = logit_slope(probe, "poincare", scale, alpha, c_head)
     sc = logit_slope(probe, "cosine", scale, alpha, c_head)
     return {"poincare_0.95_over_0": float(sp[-1] / sp[0]), "cosine_0.95_over_0": float(sc[-1] / sc[0])}
+
+
+# -- the explorer: the curvature against the compression map -------------------------------------
+def residual_plane(adapter, f, n_max: int = 200) -> dict:
+    """The trained raw per-task residuals of ``adapter`` on the first ``n_max`` inputs of ``f``
+    (every site) as float64 rows ``raw``, the ``session`` of each row, and ``basis``: the rows' two
+    leading right singular vectors, uncentred, so the origin stays zero displacement and a
+    projection is never longer than its residual."""
+    with torch.no_grad():
+        us = [u[:n_max].reshape(-1, u.shape[-1]).double() for u in adapter.residuals(f[:n_max])]
+    raw = torch.cat(us)
+    return {"raw": raw.numpy(), "basis": torch.linalg.svd(raw, full_matrices=False)[2][:2].numpy(),
+            "session": np.concatenate([np.full(len(u), s) for s, u in enumerate(us)])}
+
+
+def _plane_panel(ax, plane: dict, c: float, n_lines: int = 40) -> None:
+    """The residuals projected on the plane, raw (faint) and compressed at ``c`` (solid), a few
+    joined by their radial move, and the bound 1 / sqrt(c) as a circle."""
+    raw = plane["raw"] @ plane["basis"].T
+    ratio = compression_ratio(np.linalg.norm(plane["raw"], axis=1), c).numpy()[:, None]
+    for i in np.linspace(0, len(raw) - 1, n_lines).astype(int):
+        ax.plot(*np.stack([raw[i], ratio[i] * raw[i]]).T, color="0.75", lw=0.5)
+    for s in np.unique(plane["session"]):
+        m, col = plane["session"] == s, plots.PALETTE[s % len(plots.PALETTE)]
+        ax.scatter(*raw[m].T, s=5, alpha=0.25, color=col)
+        ax.scatter(*(ratio[m] * raw[m]).T, s=7, color=col, label=f"session {s + 1}")
+    ax.add_patch(Circle((0, 0), 1 / np.sqrt(c), fill=False, ls="--", color="k"))
+    ax.set_aspect("equal", "datalim")
+    ax.set(xlabel="residual on singular direction 1", ylabel="on direction 2")
+
+
+def _map_panel(ax, plane: dict, c: float) -> None:
+    """rho_c(r) against r (log-log), with every residual as a point on it."""
+    norms = np.linalg.norm(plane["raw"], axis=1)
+    r = np.logspace(np.log10(norms.min()) - 2, np.log10(norms.max()) + 0.5, 200)
+    ax.plot(r, r, "k:", lw=0.8, label="identity")
+    ax.plot(r, compression_ratio(r, c).numpy() * r, color=plots.PALETTE[0], label="rho_c(r)")
+    ax.axhline(1 / np.sqrt(c), color="k", ls="--", lw=0.8, label="1 / sqrt(c)")
+    ax.scatter(norms, compression_ratio(norms, c).numpy() * norms, s=6,
+               color=plots.PALETTE[1], label="trained residuals")
+    ax.set(xscale="log", yscale="log", xlabel="raw residual norm r",
+           ylabel="compressed norm", title="the map, and where the residuals sit on it")
+    ax.legend(fontsize=7)
+
+
+def compression_figure(plane: dict, c: float, sweep: pd.DataFrame, units: float = 1.0):
+    """The explorer's picture at curvature ``c`` (unit-feature units; the residuals live in units
+    where it is ``c / units``, ``enc_norm**2`` in the encoder): the trained residuals compressed
+    in a plane, the map rho_c, and the metrics of HDCA trained at each curvature of ``sweep``
+    (:func:`curvature_sweep`) with a line at ``c``."""
+    fig, axes = plots.subplots(1, 3, figsize=(15, 4.2))
+    _plane_panel(axes[0], plane, c / units)
+    axes[0].set_title(f"kappa_c at c = {c:g}: trained residuals, raw (faint) and compressed",
+                      fontsize=9)
+    axes[0].legend(fontsize=7, markerscale=2)
+    _map_panel(axes[1], plane, c / units)
+    for i, k in enumerate(METRICS):
+        axes[2].plot(sweep.index, sweep[k], "o-", color=plots.PALETTE[i], label=k)
+    axes[2].axvline(c, color="k", lw=1.0)
+    axes[2].set(xscale="log", xlabel="curvature c", ylabel="accuracy / forgetting",
+                title="HDCA trained at each c (the sweep)")
+    axes[2].legend(fontsize=7)
+    return fig
