@@ -252,6 +252,7 @@ def test_in_context_card_column_on_unseen_queries(cache):
                 max_shots=2, icl_shots=2, smoke=replace(zoo.RECIPES["lm-micro"].smoke, ctx=64))
     assert r.key("smoke") != zoo.RECIPES["lm-micro"].key("smoke")
     card = train_and_save(r, "smoke", cache / "m")
+    assert card["trained_tasks"] == ["pattern"] and card["trained_in_context"] == ["tag"]
     ic = card["in_context"]
     assert ic["shots"] == 2 and set(ic["accuracy"]) == set(zoo.ALL_FAMILIES + tasks.ICL_FAMILIES)
     for v in ic["accuracy"].values():

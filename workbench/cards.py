@@ -66,6 +66,16 @@ def format_cards(cards: list[dict]) -> str:
             b = sum(p["base_accuracy"][f] for f in a["families"]) / len(a["families"])
             lines.append(f"| {n} | {a['own_accuracy']:.2f} | {b:.2f} | "
                          f"{a['gain_over_base']:+.2f} | {a['train_seconds']} |")
+        if p.get("merges"):
+            lines.append("")
+            lines.append("cat merges (peft add_weighted_adapter, combination_type='cat', weights "
+                         "1, 1) of each pair of adapters gaining >= +0.3: share of each one's "
+                         "gain kept, (merged - base) / (own - base)")
+            lines.append("| pair | first kept | second kept |")
+            lines.append("|---|---|---|")
+            for pair, m in p["merges"].items():
+                k1, k2 = (("?" if k is None else f"{k:.2f}") for k in m["kept"].values())
+                lines.append(f"| {pair} | {k1} | {k2} |")
     return "\n".join(lines)
 
 

@@ -287,7 +287,10 @@ def _train_and_save_inner(r: Recipe, scale: str, out: Path) -> dict:
         "heldout_ppl": evaluate.perplexity(model, corpus.heldout_blocks(tok, s.ctx)),
         "unigram_ppl": evaluate.unigram_perplexity(text_ids, corpus.encode_documents(
             tok, corpus.heldout_text()), len(tok)),
-        "trained_tasks": list(r.train_tasks),
+        # the families a prompt alone can solve (what retention, quantization and the cards
+        # score zero-shot); the in-context ones are in the card's in-context column
+        "trained_tasks": [f for f in r.train_tasks if tasks.get(f).rule is None],
+        "trained_in_context": [f for f in r.train_tasks if tasks.get(f).rule is not None],
         "train_seconds": round(train_s, 1), "device": str(device), "build_pid": os.getpid(),
         "zoo_version": ZOO_VERSION,
     }
