@@ -61,16 +61,62 @@ def test_string_rules():
         assert "".join(ex.target.split()) == "".join(dict.fromkeys(ex.metadata["input"]))
 
 
-def test_shared_surface_but_different_rules():
-    assert set(T.same_surface("reverse")) >= {"sort", "rotate", "swap", "dedupe"}
-    assert "addmod" in T.same_surface("add") and "pattern_skip" in T.same_surface("pattern")
-    # same prompt, different answers: a router must read the rule from data, not the prompt
+def test_every_family_has_its_own_surface_and_paired_rules_keep_their_inputs():
+    # zoo v4 (issue 31): no two families share a prompt surface, so trained skills never
+    # contradict each other; each string/recall family starts with its operator word
+    assert all(T.same_surface(f) == [] for f in T.names())
+    assert len({T.get(f).surface for f in T.names()}) == len(T.names())
+    for f in ("reverse", "sort", "rotate", "swap", "dedupe"):
+        assert all(e.prompt.startswith(f + " ") for e in T.generate(f, 10, 0))
+    # addmod and pattern_skip still draw the inputs of add and pattern (Family.stream)
     add, addmod = T.generate("add", 200, 5, 2), T.generate("addmod", 200, 5, 2)
-    assert [e.prompt for e in add] == [e.prompt for e in addmod]
+    assert [e.prompt.replace("+", "(+)") for e in add] == [e.prompt for e in addmod]
     assert sum(a.target != b.target for a, b in zip(add, addmod)) > 100
     p, q = T.generate("pattern", 50, 0, 3), T.generate("pattern_skip", 50, 0, 3)
-    assert [e.prompt for e in p] == [e.prompt for e in q]
+    assert [e.prompt.replace("next", "skip", 1) for e in p] == [e.prompt for e in q]
     assert all(a.target != b.target for a, b in zip(p, q))
+
+
+def test_in_context_families_share_a_rule_per_context_and_show_the_query_symbols():
+    assert set(T.ICL_FAMILIES) == {"lettermap", "digitmap", "pick", "tag"}
+    for f in T.ICL_FAMILIES:
+        ctxs = T.contexts(f, 30, 4, seed=1, difficulty=3)
+        assert ctxs == T.contexts(f, 30, 4, seed=1, difficulty=3)          # seeded
+        rules = set()
+        for c in ctxs:
+            assert len(c) == 5 and {e.family for e in c} == {f}
+            rule = c[0].metadata["rule"]
+            assert all(e.metadata["rule"] == rule for e in c)        # one rule per context
+            rules.add(str(rule))
+            if f in ("lettermap", "digitmap"):                      # every query symbol shown
+                shown = {ch for e in c[:-1] for ch in e.metadata["input"]}
+                assert set(c[-1].metadata["input"]) <= shown
+        assert len(rules) > 1                                       # drawn per context
+        prompt, comp = T.render_context(ctxs[0])
+        assert prompt.count(T.CONTEXT_SEP) == 4 and prompt.endswith(ctxs[0][-1].prompt)
+        assert comp == ctxs[0][-1].completion()
+    # alone, a rule family's prompt does not determine its answer: the same prompt, two rules
+    by_prompt = {}
+    for e in T.generate("lettermap", 3000, 0, 2):
+        by_prompt.setdefault(e.prompt, set()).add(e.target)
+    assert max(len(v) for v in by_prompt.values()) > 1
+    # ordinary families: independent examples of the family, the same for the same seed
+    c = T.contexts("sort", 3, 2, seed=0, difficulty=5)
+    assert [[e.prompt for e in x] for x in c] == \
+        [[e.prompt for e in x] for x in T.contexts("sort", 3, 2, seed=0, difficulty=5)]
+
+
+def test_kv_keys_tokenize_alike_in_the_context_and_the_question():
+    # before v4 the first key had no leading space ("m=7 b=9 ; m?"): "m" and " m" are two tokens
+    from workbench.models import recipes, training
+    r = recipes.RECIPES["lm-base"]
+    tok = training.tokenizer(r, r.smoke)            # the recipe's own BPE
+    for ex in T.generate("kv", 20, 0, 4):
+        ids = tok(ex.prompt, add_special_tokens=False)["input_ids"]
+        pieces = [tok.decode([i]) for i in ids]
+        keys = [pieces[i - 1] for i, p in enumerate(pieces) if p == "="]
+        assert len(keys) == 4 and all(k.startswith(" ") for k in keys)
+        assert pieces[-2] in keys and pieces[-1] == "?"
 
 
 def test_counting_and_recall():
@@ -79,7 +125,7 @@ def test_counting_and_recall():
             ex.metadata["char"])
     for ex in T.generate("kv", 30, 0, 4):
         ctx, q = ex.prompt.split(" ; ")
-        assert dict(kv.split("=") for kv in ctx.split())[q.rstrip("?")] == ex.target
+        assert dict(kv.split("=") for kv in ctx.split()[1:])[q.rstrip("?")] == ex.target
 
 
 def test_unknown_family():

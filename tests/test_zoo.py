@@ -113,8 +113,9 @@ def test_v2_card_lists_every_difficulty_on_unseen_prompts(cache):
 
 
 def test_v1_recipes_keep_their_keys():
-    # lm-tiny's cache key (and so its built weights) must not move with v2 fields
-    assert zoo.RECIPES["lm-tiny"].key("smoke") == "99f61dae1f"
+    # lm-tiny's cache key (and so its built weights) must not move with v2 (or v4) fields; it
+    # moved once, with ZOO_VERSION 3 (zoo v4: the prompts of reverse, sort, kv, pattern changed)
+    assert zoo.RECIPES["lm-tiny"].key("smoke") == "aa3c722abe"
     assert zoo.RECIPES["lm-tiny"].loop == "v1"
     for n in ("lm-base", "lm-instruct", "lm-reasoning", "lm-gpt2", "lm-qwen2", "lm-qbed"):
         assert zoo.RECIPES[n].loop in ("v2", "v3") and zoo.RECIPES[n].eval_by_difficulty
@@ -213,3 +214,71 @@ def test_build_all_in_parallel_keeps_order_and_reports_a_failed_build(cache):
     assert [c["name"] for c in cards] == ["lm-nope", "lm-micro"]
     assert "unknown zoo model 'lm-nope'" in cards[0]["error"]
     assert "error" not in cards[1] and (zoo.model_dir("lm-micro") / "card.json").exists()
+
+
+def test_context_documents_tokenize_like_the_rendered_context_and_label_every_answer():
+    # zoo v4: several examples of one family in one row, one <bos>, no attention reset; the
+    # training ids are the tokens of the text the card's in-context evaluation prompts with
+    from dataclasses import replace
+    from workbench.data import packing, tasks
+    from workbench.models import training
+    r = replace(zoo.RECIPES["lm-base"], train_tasks=("sort", "lettermap"), task_weights=None,
+                context_share=0.5, max_shots=3)
+    s = replace(r.smoke, n_task_examples=200, ctx=128)
+    tok = training.tokenizer(r, s)
+    docs = training.task_documents(r, s)
+    assert sum(len(d) for d in docs) >= 400 and all(len({e.family for e in d}) == 1 for d in docs)
+    multi = [d for d in docs if len(d) > 1]
+    assert {d[0].family for d in multi} == {"sort", "lettermap"}
+    assert all(len({str(e.metadata["rule"]) for e in d}) == 1 for d in docs
+               if d[0].family == "lettermap")                     # one rule per context
+    sort_docs = [d for d in docs if d[0].family == "sort"]
+    assert 0.3 < sum(len(d) for d in sort_docs if len(d) > 1) / \
+        sum(len(d) for d in sort_docs) < 0.7                        # context_share of sort
+    pairs = training.encode_documents(tok, multi[:20], s.ctx, r.with_steps)
+    for d, (ids, labels) in zip(multi[:20], pairs):
+        prompt, comp = tasks.render_context(d, r.with_steps)
+        assert ids == [tok.bos_token_id] + tok(prompt + comp, add_special_tokens=False)[
+            "input_ids"] + [tok.eos_token_id]
+        answers = [t for t, y in zip(ids, labels) if y != packing.IGNORE]
+        assert tok.decode(answers[:-1]) == "".join(e.completion() for e in d)
+    x, _ = training.task_rows(r, s, tok, docs)
+    assert x.shape[1] == 128 and int((x == tok.bos_token_id).sum()) == len(docs)
+
+
+def test_in_context_card_column_on_unseen_queries(cache):
+    from dataclasses import replace
+    from workbench.data import tasks
+    from workbench.models.training import train_and_save
+    r = replace(zoo.RECIPES["lm-micro"], train_tasks=("pattern", "tag"), context_share=0.5,
+                max_shots=2, icl_shots=2, smoke=replace(zoo.RECIPES["lm-micro"].smoke, ctx=64))
+    assert r.key("smoke") != zoo.RECIPES["lm-micro"].key("smoke")
+    card = train_and_save(r, "smoke", cache / "m")
+    assert card["trained_tasks"] == ["pattern"] and card["trained_in_context"] == ["tag"]
+    ic = card["in_context"]
+    assert ic["shots"] == 2 and set(ic["accuracy"]) == set(zoo.ALL_FAMILIES + tasks.ICL_FAMILIES)
+    for v in ic["accuracy"].values():
+        assert v["gain"] == pytest.approx(v["2"] - v["0"], abs=1e-3)
+    # the 0-shot column is plain exact match on the same queries
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    model = AutoModelForCausalLM.from_pretrained(cache / "m").eval()
+    tok = PreTrainedTokenizerFast.from_pretrained(cache / "m")
+    ctxs = evaluate.in_context_examples("pattern", 3, 4, 2)
+    assert evaluate.in_context_accuracy(model, tok, ctxs, shots=0) == \
+        evaluate.exact_match(model, tok, [c[-1] for c in ctxs])
+    assert "in context" in cards.format_cards([card])
+
+
+def test_pool_card_reports_cat_merges_of_gaining_pairs(cache, monkeypatch):
+    from workbench.models import adapters
+    monkeypatch.setattr(adapters, "MERGE_GAIN", -1.0)        # every micro adapter "gains"
+    pool = adapters.adapters("lm-micro", ["pattern", "kv", "kv+count"], rank=2)
+    m = pool.card["merges"]
+    assert list(m) == ["pattern+kv"]                          # single-family adapters only
+    a = pool.card["adapters"]
+    for n in ("pattern", "kv"):
+        own, base = a[n]["accuracy"][n], pool.card["base_accuracy"][n]
+        if own != base:
+            assert m["pattern+kv"]["kept"][n] == pytest.approx(
+                (m["pattern+kv"]["accuracy"][n] - base) / (own - base), abs=1e-3)
+    assert "cat merges" in cards.format_cards([pool.card])

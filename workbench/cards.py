@@ -25,15 +25,28 @@ def card_rows(cards: list[dict]) -> list[dict]:
             "middle": "middle" if "task_accuracy_middle" in c else "easiest",
             "solved": sorted(f for f, a in by.items() if a >= 0.8),
             "trained": {f: by.get(f) for f in c.get("trained_tasks", []) if f in by},
-            "heldout_best": max((a for f, a in by.items() if f not in trained), default=None)})
+            "heldout_best": max((a for f, a in by.items() if f not in trained), default=None),
+            "in_context": _in_context_cell(c)})
     return rows
+
+
+def _in_context_cell(c: dict) -> str:
+    """The families whose exact match gains at least +0.3 from the card's demonstrations:
+    ``family 0-shot->k-shot``; '' for cards without the in-context column."""
+    ic = c.get("in_context")
+    if not ic:
+        return ""
+    k = str(ic["shots"])
+    return ", ".join(f"{f} {v['0']:.2f}->{v[k]:.2f}" for f, v in ic["accuracy"].items()
+                     if v["gain"] >= 0.3) or "none"
 
 
 def format_cards(cards: list[dict]) -> str:
     """The cards as a Markdown table (for ``workbench zoo list`` and the README)."""
     head = ("| model | arch | params | tokens | build s | ppl (unigram) | trained families: "
-            "exact match at the middle difficulty | best held-out family |")
-    lines = [head, "|" + "---|" * 8]
+            "exact match at the middle difficulty | best held-out family | in context: "
+            "0 -> 4 demonstrations (gain >= +0.3) |")
+    lines = [head, "|" + "---|" * 9]
     for r in card_rows(cards):
         fam = ", ".join(f"{f} {a:.2f}" for f, a in r["trained"].items())
         if r["middle"] != "middle":
@@ -41,7 +54,7 @@ def format_cards(cards: list[dict]) -> str:
         hb = "" if r["heldout_best"] is None else f"{r['heldout_best']:.2f}"
         lines.append(f"| {r['name']} ({r['scale']}) | {r['arch']} | {r['params'] / 1e6:.2f}M | "
                      f"{r['tokens'] / 1e6:.2f}M | {r['build_s']} | {r['ppl']} ({r['unigram']}) "
-                     f"| {fam} | {hb} |")
+                     f"| {fam} | {hb} | {r['in_context']} |")
     pools = [c for c in cards if "adapters" in c]
     for p in pools:
         lines.append("")
@@ -53,6 +66,16 @@ def format_cards(cards: list[dict]) -> str:
             b = sum(p["base_accuracy"][f] for f in a["families"]) / len(a["families"])
             lines.append(f"| {n} | {a['own_accuracy']:.2f} | {b:.2f} | "
                          f"{a['gain_over_base']:+.2f} | {a['train_seconds']} |")
+        if p.get("merges"):
+            lines.append("")
+            lines.append("cat merges (peft add_weighted_adapter, combination_type='cat', weights "
+                         "1, 1) of each pair of adapters gaining >= +0.3: share of each one's "
+                         "gain kept, (merged - base) / (own - base)")
+            lines.append("| pair | first kept | second kept |")
+            lines.append("|---|---|---|")
+            for pair, m in p["merges"].items():
+                k1, k2 = (("?" if k is None else f"{k:.2f}") for k in m["kept"].values())
+                lines.append(f"| {pair} | {k1} | {k2} |")
     return "\n".join(lines)
 
 

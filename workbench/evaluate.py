@@ -17,7 +17,8 @@ from . import quant
 from .data import corpus, tasks
 from .models.recipes import ALL_FAMILIES, difficulties
 
-__all__ = ["MIDDLE", "heldout_examples", "evaluate_tasks", "quant_sensitivity", "perplexity",
+__all__ = ["MIDDLE", "heldout_examples", "evaluate_tasks", "in_context_examples",
+           "in_context_accuracy", "evaluate_in_context", "quant_sensitivity", "perplexity",
            "unigram_perplexity", "generate", "task_accuracy", "item_scores", "exact_match"]
 
 
@@ -25,7 +26,7 @@ __all__ = ["MIDDLE", "heldout_examples", "evaluate_tasks", "quant_sensitivity", 
 # pairs, count over 6 letters, motifs of 3
 MIDDLE = {"add": 3, "addmod": 3, "sub": 3, "mul": 2, "chain": 3, "reverse": 5, "sort": 5,
           "rotate": 5, "swap": 5, "dedupe": 5, "kv": 4, "count": 6, "pattern": 3,
-          "pattern_skip": 3}
+          "pattern_skip": 3, "lettermap": 2, "digitmap": 2, "pick": 3, "tag": 3}
 
 
 def heldout_examples(family: str, difficulty: int, n: int, exclude: set[str] = frozenset(),
@@ -57,6 +58,42 @@ def evaluate_tasks(model, tok, n: int, with_steps: bool = False,
             "task_accuracy": {f: round(sum(v.values()) / len(v), 4) for f, v in acc.items()},
             "task_accuracy_middle": {f: acc[f][str(MIDDLE[f])] for f in families},
             "task_difficulties": {f: list(tasks.get(f).difficulties) for f in families}}
+
+
+def in_context_examples(family: str, difficulty: int, n: int, shots: int,
+                        exclude: set[str] = frozenset(), seed: int = 2468) -> list[list]:
+    """``n`` contexts (``shots`` demonstrations and a query, :func:`workbench.data.tasks.contexts`)
+    whose query prompt is not in ``exclude``; like :func:`heldout_examples`, the seen ones fill
+    in where fewer than ``n // 4`` unseen turn up."""
+    cand = tasks.contexts(family, 4 * n, shots, seed, difficulty)
+    unseen = [c for c in cand if c[-1].prompt not in exclude]
+    return unseen[:n] if len(unseen) >= max(1, n // 4) else cand[:n]
+
+
+def in_context_accuracy(model, tok, ctxs: list[list], with_steps: bool = False,
+                        shots: int | None = None) -> float:
+    """Greedy exact match on the queries of contexts ``ctxs`` with their demonstrations in the
+    prompt (no attention reset between examples); ``shots`` keeps only the last ``shots``
+    demonstrations (0: the query alone)."""
+    keep = [c if shots is None else c[len(c) - 1 - shots:] for c in ctxs]
+    rendered = [tasks.render_context(c, with_steps) for c in keep]
+    longest = max(len(tok(comp, add_special_tokens=False)["input_ids"]) for _, comp in rendered)
+    comps = generate(model, tok, [p for p, _ in rendered], max_new_tokens=longest + 2)
+    return sum(tasks.score(c[-1], out) for c, out in zip(keep, comps)) / len(keep)
+
+
+def evaluate_in_context(model, tok, n: int, shots: int, with_steps: bool = False,
+                        exclude: set[str] = frozenset(), families=ALL_FAMILIES) -> dict:
+    """The card's in-context column: exact match at each family's middle difficulty on the
+    same unseen queries alone and after ``shots`` demonstrations of the same family (and, for
+    an in-context family, the same rule), and the gain."""
+    out = {}
+    for f in families:
+        ctxs = in_context_examples(f, MIDDLE[f], n, shots, exclude)
+        a0 = in_context_accuracy(model, tok, ctxs, with_steps, 0)
+        ak = in_context_accuracy(model, tok, ctxs, with_steps, shots)
+        out[f] = {"0": round(a0, 4), str(shots): round(ak, 4), "gain": round(ak - a0, 4)}
+    return {"shots": shots, "difficulty": "middle", "accuracy": out}
 
 
 def quant_sensitivity(model, tok, bits: int = 2, group_size: int = 128, ctx: int = 64,

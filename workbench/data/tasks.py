@@ -10,13 +10,22 @@ bare answer (``"68"``) or, with chain-of-thought, the steps joined by ``" ; "`` 
 ``" => "`` and the answer (``"8+5=13 c1 ; 2+4+1=7 => 73"``). The verifier reads the first line of a
 completion and takes what follows the last ``=>`` (or the whole line when there is none).
 
-Shared surface forms (so routing and forgetting are real):
-- ``reverse``, ``sort``, ``rotate``, ``dedupe`` and ``swap`` all read ``"s t r i n g ->"``: only the
-  rule differs;
-- ``add`` and ``addmod`` (the sum modulo 10 per digit, no carries) both read ``"23+49="``;
-- ``pattern`` and ``pattern_skip`` both read ``"a b c a b c a ->"``.
-``addmod`` and ``pattern_skip`` even draw the same prompts as ``add`` and ``pattern`` for the same
-seed (``Family.stream``), so the two rules can be compared on identical inputs.
+Distinct surfaces (zoo v4, issue 31): every family has its own prompt surface, so skills
+trained side by side never contradict each other. String and recall families start with an
+operator word (``"sort s t r i n g ->"``, ``"rotate ..."``, ``"kv a=3 b=5 ; a?"``, ``"next a b c a
+->"``), which also gives every symbol a leading space, so the first key of ``kv`` (or the first
+letter of a string) is the same token as when it is asked for. ``addmod`` reads ``"23(+)49="``.
+(Before v4, ``reverse``/``sort``/``rotate``/``swap``/``dedupe``, ``add``/``addmod`` and
+``pattern``/``pattern_skip`` shared one surface each.) ``addmod`` and ``pattern_skip`` still draw
+the same numbers and motifs as ``add`` and ``pattern`` for the same seed (``Family.stream``), so
+the two rules can be compared on the same inputs.
+
+In-context families (``rule`` set): a rule drawn per *context* (a random letter substitution, a
+digit->letter code, a position to pick, a tag letter to append), shown by the examples before the
+query. Alone, a prompt of such a family cannot be solved (each example draws its own rule);
+:func:`contexts` draws ``shots`` demonstrations and a query that share one rule (for ordinary
+families, ``shots + 1`` independent examples), :func:`render_context` writes them as one text
+(examples separated by ``CONTEXT_SEP``; no ``<bos>`` between them, as pretraining sees a document).
 
 Characters in string tasks (inputs and answers) are space-separated so that a byte-level BPE
 sees one token per symbol. Nothing here imports torch.
@@ -28,12 +37,13 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["ANSWER_MARK", "STEP_SEP", "LETTERS", "Example", "final_answer", "exact_match",
+__all__ = ["ANSWER_MARK", "STEP_SEP", "CONTEXT_SEP", "LETTERS", "ICL_FAMILIES", "Example", "final_answer", "exact_match",
            "Family", "FAMILIES", "names", "get", "generate", "score", "same_surface",
-           "problem_split", "draw_problems"]
+           "problem_split", "draw_problems", "contexts", "render_context"]
 
 ANSWER_MARK = "=>"
 STEP_SEP = " ; "
+CONTEXT_SEP = "\n"      # between the examples of one context
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
@@ -81,7 +91,9 @@ class Family:
     difficulties: tuple[int, ...]         # the sensible range of ``difficulty``
     has_steps: bool = False
     scorer: Callable[[Example, str], float] = exact_match
-    stream: str | None = None             # share another family's random draws (same prompts)
+    stream: str | None = None             # share another family's random draws (same inputs)
+    rule: Callable[[random.Random], object] | None = None   # in-context family: draws the rule
+    #                                       of one context; ``make(rng, d, rule)`` then uses it
 
     def generate(self, n: int, seed: int = 0, difficulty: int | None = None) -> list[Example]:
         """``n`` examples, the same for the same (family, seed, difficulty) on every machine.
@@ -93,8 +105,19 @@ class Family:
         out = []
         for _ in range(n):
             d = difficulty if difficulty is not None else rng.choice(self.difficulties)
-            out.append(self.make(rng, int(d)))
+            out.append(self.make(rng, int(d)) if self.rule is None else
+                       self.make(rng, int(d), self.rule(rng)))
         return out
+
+    def context(self, rng: random.Random, shots: int, difficulty: int | None = None) -> list[Example]:
+        """``shots`` demonstrations then a query, sharing one rule when the family has one."""
+        pick = lambda: int(difficulty if difficulty is not None else rng.choice(self.difficulties))  # noqa: E731
+        if self.rule is None:
+            return [self.make(rng, pick()) for _ in range(shots + 1)]
+        rule = self.rule(rng)
+        demos = [self.make(rng, pick(), rule) for _ in range(shots)]
+        seen = {c for e in demos for c in e.metadata["input"]} if shots else None
+        return demos + [self.make(rng, pick(), rule, seen)]
 
     def score(self, example: Example, completion: str) -> float:
         return self.scorer(example, completion)
@@ -129,7 +152,7 @@ def _make_addmod(rng, d):
     sa, sb = str(a).zfill(d), str(b).zfill(d)
     digits = [(int(x) + int(y)) % 10 for x, y in zip(sa, sb)]
     steps = [f"{x}+{y}={z}" for x, y, z in zip(sa, sb, digits)]
-    return Example("addmod", f"{a}+{b}=", "".join(map(str, digits)), d, steps, {"a": a, "b": b})
+    return Example("addmod", f"{a}(+){b}=", "".join(map(str, digits)), d, steps, {"a": a, "b": b})
 
 
 def _make_sub(rng, d):
@@ -182,7 +205,7 @@ def _string_family(name: str, rule: Callable[[list[str], random.Random], list[st
         chars = [rng.choice(alphabet) for _ in range(d)] if repeats else \
             rng.sample(alphabet, min(d, len(alphabet)))
         out = rule(chars, rng)
-        return Example(name, f"{_spaced(chars)} ->", _spaced(out), d, None,
+        return Example(name, f"{name} {_spaced(chars)} ->", _spaced(out), d, None,
                        {"input": "".join(chars)})
     return make
 
@@ -214,7 +237,7 @@ def _make_kv(rng, d):
     vals = [rng.randint(0, 9) for _ in keys]
     q = rng.randrange(d)
     ctx = " ".join(f"{k}={v}" for k, v in zip(keys, vals))
-    return Example("kv", f"{ctx} ; {keys[q]}?", str(vals[q]), d, None, {"pairs": d})
+    return Example("kv", f"kv {ctx} ; {keys[q]}?", str(vals[q]), d, None, {"pairs": d})
 
 
 def _make_count(rng, d):
@@ -234,14 +257,58 @@ def _pattern_family(name: str, skip: bool):
         n = 2 * d + rng.randrange(d)
         seq = [motif[i % d] for i in range(n)]
         target = motif[(n + int(skip)) % d]
-        return Example(name, f"{_spaced(seq)} ->", target, d, None, {"motif": "".join(motif)})
+        word = "skip" if skip else "next"
+        return Example(name, f"{word} {_spaced(seq)} ->", target, d, None,
+                       {"motif": "".join(motif)})
     return make
+
+
+# -- in-context rules (drawn per context) ------------------------------------------------------
+
+def _query_chars(rng, alphabet, d, seen, repeats=True):
+    """``d`` input symbols: from the ones the demonstrations used (``seen``) when given."""
+    pool = sorted(seen) if seen else list(alphabet)
+    if repeats or len(pool) < d:
+        return [rng.choice(pool) for _ in range(d)]
+    return rng.sample(pool, d)
+
+
+def _make_lettermap(rng, d, rule, seen=None):
+    """A random substitution of 6 letters (the rule), applied letter by letter."""
+    chars = _query_chars(rng, LETTERS[:6], d, seen)
+    return Example("lettermap", f"map {_spaced(chars)} ->", _spaced(rule[c] for c in chars), d,
+                   None, {"input": "".join(chars), "rule": dict(rule)})
+
+
+def _make_digitmap(rng, d, rule, seen=None):
+    """A random code digit -> letter for the digits 0-5 (the rule)."""
+    chars = _query_chars(rng, "012345", d, seen)
+    return Example("digitmap", f"code {_spaced(chars)} ->", _spaced(rule[c] for c in chars), d,
+                   None, {"input": "".join(chars), "rule": dict(rule)})
+
+
+def _make_pick(rng, d, rule, seen=None):
+    """The letter at position ``rule`` (0-based, fixed per context) of ``d + 2`` letters."""
+    chars = rng.sample(LETTERS[:12], d + 2)
+    return Example("pick", f"pick {_spaced(chars)} ->", chars[rule], d, None,
+                   {"input": "".join(chars), "rule": rule})
+
+
+def _make_tag(rng, d, rule, seen=None):
+    """The letters, then a tag letter fixed per context (the rule)."""
+    chars = rng.sample(LETTERS[:12], d)
+    return Example("tag", f"tag {_spaced(chars)} ->", _spaced(chars + [rule]), d, None,
+                   {"input": "".join(chars), "rule": rule})
+
+
+def _substitution(source: str):
+    return lambda rng: dict(zip(source, rng.sample(LETTERS, len(source))))
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in [
     Family("add", "a+b with d-digit operands (steps: column sums and carries)", "arith+",
            _make_add, (1, 2, 3, 4), True),
-    Family("addmod", "digit-wise sum modulo 10, no carries (looks like add)", "arith+",
+    Family("addmod", "digit-wise sum modulo 10, no carries (the operands of add)", "addmod",
            _make_addmod, (1, 2, 3, 4), True, stream="add"),
     Family("sub", "a-b, a >= b, d-digit operands (steps: columns and borrows)", "arith-",
            _make_sub, (1, 2, 3, 4), True),
@@ -251,13 +318,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            _make_chain, (1, 2, 3, 4, 5), True),
     Family("reverse", "reverse the letters", "string", _string_family("reverse",
            lambda c, r: c[::-1]), (3, 4, 5, 6)),
-    Family("sort", "sort the letters", "string", _string_family("sort",
+    Family("sort", "sort the letters", "sort", _string_family("sort",
            lambda c, r: sorted(c)), (3, 4, 5, 6)),
-    Family("rotate", "rotate the letters left by one", "string",
+    Family("rotate", "rotate the letters left by one", "rotate",
            _string_family("rotate", _rotate), (3, 4, 5, 6)),
-    Family("swap", "swap adjacent pairs of letters", "string",
+    Family("swap", "swap adjacent pairs of letters", "swap",
            _string_family("swap", _swap), (3, 4, 5, 6)),
-    Family("dedupe", "drop repeated letters, keep first occurrences", "string",
+    Family("dedupe", "drop repeated letters, keep first occurrences", "dedupe",
            _string_family("dedupe", _dedupe, alphabet=LETTERS[:5], repeats=True), (4, 5, 6, 7)),
     Family("kv", "recall the value of a key given d key=value pairs", "kv", _make_kv,
            (2, 3, 4, 5)),
@@ -265,9 +332,18 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            (3, 4, 5, 6, 7, 8), True),
     Family("pattern", "next symbol of a repeated motif of length d", "pattern",
            _pattern_family("pattern", False), (2, 3, 4)),
-    Family("pattern_skip", "the symbol after next of a repeated motif (looks like pattern)",
-           "pattern", _pattern_family("pattern_skip", True), (2, 3, 4), stream="pattern"),
+    Family("pattern_skip", "the symbol after next of a repeated motif (the motifs of pattern)",
+           "pattern_skip", _pattern_family("pattern_skip", True), (2, 3, 4), stream="pattern"),
+    Family("lettermap", "in context: a random substitution of 6 letters, fixed per context",
+           "lettermap", _make_lettermap, (1, 2, 3), rule=_substitution(LETTERS[:6])),
+    Family("digitmap", "in context: a random digit -> letter code, fixed per context",
+           "digitmap", _make_digitmap, (1, 2, 3), rule=_substitution("012345")),
+    Family("pick", "in context: the letter at a position fixed per context, of d+2 letters",
+           "pick", _make_pick, (2, 3, 4), rule=lambda rng: rng.randrange(4)),
+    Family("tag", "in context: the letters then a tag letter fixed per context", "tag",
+           _make_tag, (2, 3, 4, 5), rule=lambda rng: rng.choice(LETTERS[12:])),
 ]}
+ICL_FAMILIES = tuple(f for f, fam in FAMILIES.items() if fam.rule is not None)
 
 
 def names() -> list[str]:
@@ -291,7 +367,8 @@ def score(example: Example, completion: str) -> float:
 
 
 def same_surface(name: str) -> list[str]:
-    """The other families whose prompts look exactly like ``name``'s."""
+    """The other families whose prompts look exactly like ``name``'s (none since zoo v4: every
+    family has its own surface)."""
     s = get(name).surface
     return [f for f, fam in FAMILIES.items() if fam.surface == s and f != name]
 
@@ -323,3 +400,21 @@ def draw_problems(families, n: int, side: str, rng) -> list:
             pool = problem_split(f, d)[0 if side == "train" else 1]
             out += [pool[i] for i in rng.permutation(len(pool))[:n]]
     return out
+
+
+def contexts(name: str, n: int, shots: int, seed: int = 0,
+             difficulty: int | None = None) -> list[list[Example]]:
+    """``n`` seeded contexts of family ``name``: ``shots`` demonstrations then a query each,
+    sharing one rule for an in-context family (its query then uses only symbols the
+    demonstrations showed), independent examples otherwise."""
+    fam = get(name)
+    rng = random.Random(zlib.crc32(f"ctx:{name}:{seed}:{shots}:{difficulty}".encode()))
+    return [fam.context(rng, shots, difficulty) for _ in range(n)]
+
+
+def render_context(examples: list[Example], with_steps: bool = False) -> tuple[str, str]:
+    """``(prompt, completion)`` of a context: the demonstrations' full text and the query's
+    prompt, separated by :data:`CONTEXT_SEP`; the completion is the query's."""
+    *demos, query = examples
+    prompt = CONTEXT_SEP.join([e.text(with_steps) for e in demos] + [query.prompt])
+    return prompt, query.completion(with_steps)

@@ -41,7 +41,8 @@ __all__ = ["POOL_VERSION", "MIXTURES", "PoolSize", "POOL_SIZES", "Pool", "member
            "adapters", "recipe_key", "pool_dir", "list_built", "build_all", "POOL_BASE", "POOL_NAME", "CLIP_NAME",
            "BUILD_ORDER"]
 
-POOL_VERSION = 1
+POOL_VERSION = 2   # 2: the card's cat merges of every pair of gaining adapters
+MERGE_GAIN = 0.3   # an adapter "gains" (and enters the pairwise merges) at this own-minus-base
 MIXTURES = {"strings": ("reverse", "sort", "rotate", "swap", "dedupe"),
             "arith": ("add", "sub", "mul"),
             "recall": ("kv", "count", "pattern")}
@@ -156,8 +157,8 @@ def _build(base, model_scale, names, rank, lora_scale, size: PoolSize, out: Path
     eval_fams = sorted({f for n in names for f in members(n)}, key=zoo.ALL_FAMILIES.index)
     evals = {f: evaluate.heldout_examples(f, evaluate.MIDDLE[f], size.eval_examples, seed=999)[0]
              for f in eval_fams}
-    score = (lambda m: {f: round(evaluate.exact_match(m, tok, e, with_steps), 4)
-                        for f, e in evals.items()})
+    score = (lambda m, fams=None: {f: round(evaluate.exact_match(m, tok, e, with_steps), 4)
+                                   for f, e in evals.items() if fams is None or f in fams})
     card = {"base": base, "base_key": model.zoo_card["key"], "scale": model_scale, "rank": rank,
             "lora_scale": lora_scale, "size": asdict(size), "pool_version": POOL_VERSION,
             "eval": "greedy exact match at each family's middle difficulty, held-out prompts",
@@ -186,10 +187,40 @@ def _build(base, model_scale, names, rank, lora_scale, size: PoolSize, out: Path
                 "gain_over_base": round(own - base_own, 4), "final_loss": losses[-1],
                 "train_seconds": round(train_s, 1),
                 "seconds": round(time.time() - t0, 1)}
+        card["merges"] = _cat_merges(base, model_scale, card, score, out)
     card["build_seconds"] = round(time.time() - t_all, 1)
     out.mkdir(parents=True, exist_ok=True)
     (out / "card.json").write_text(json.dumps(card, indent=2))
     return card
+
+
+def _cat_merges(base, model_scale, card, score, out: Path) -> dict:
+    """For each pair of single-family adapters that gain at least :data:`MERGE_GAIN`: a peft
+    ``cat`` merge (``add_weighted_adapter(..., combination_type="cat")``, weights 1, 1: the two
+    LoRAs side by side, rank 2r, the sum of their updates) and the share of each one's gain it
+    keeps, ``(merged - base) / (own - base)`` on that adapter's family."""
+    gaining = [n for n, a in card["adapters"].items()
+               if len(a["families"]) == 1 and a["gain_over_base"] >= MERGE_GAIN]
+    merges = {}
+    for i, a in enumerate(gaining):
+        for b in gaining[i + 1:]:
+            t0 = time.time()
+            model, _ = zoo.load(base, model_scale)
+            model = PeftModel.from_pretrained(model, out / a, adapter_name=a)
+            model.load_adapter(out / b, adapter_name=b)
+            model.add_weighted_adapter([a, b], [1.0, 1.0], "cat", combination_type="cat")
+            model.set_adapter("cat")
+            acc = score(model.eval(), [card["adapters"][n]["families"][0] for n in (a, b)])
+            kept = {}
+            for n in (a, b):
+                f = card["adapters"][n]["families"][0]
+                gain = card["adapters"][n]["accuracy"][f] - card["base_accuracy"][f]
+                kept[n] = round((acc[f] - card["base_accuracy"][f]) / gain, 4) if gain else None
+            merges[f"{a}+{b}"] = {"accuracy": {card["adapters"][n]["families"][0]:
+                                               acc[card["adapters"][n]["families"][0]]
+                                               for n in (a, b)},
+                                  "kept": kept, "seconds": round(time.time() - t0, 1)}
+    return merges
 
 
 def list_built() -> list[dict]:

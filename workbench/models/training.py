@@ -25,7 +25,7 @@ from ..env import torch_threads
 from ..progress import progress
 from .recipes import ALL_FAMILIES, ZOO_VERSION, Recipe, Size, difficulties
 
-__all__ = ["make_model", "task_examples", "task_rows", "optimizer", "loop_v1", "loop_v2", "LOOPS",
+__all__ = ["make_model", "tokenizer", "task_examples", "task_documents", "encode_documents", "task_rows", "optimizer", "loop_v1", "loop_v2", "LOOPS",
            "train_and_save"]
 
 
@@ -68,15 +68,97 @@ def task_examples(r: Recipe, s: Size) -> list:
     return exs
 
 
+def task_documents(r: Recipe, s: Size) -> list[list]:
+    """The recipe's training examples grouped into documents (lists of examples of one family,
+    trained as one sequence: one ``<bos>``, no attention reset inside). Without
+    ``context_share`` and in-context families each example is its own document (loops v1-v3).
+    Otherwise a ``context_share`` of each ordinary family's examples is cut into documents of
+    2..max_shots+1 examples, and an in-context family's examples are drawn as contexts that share
+    one rule (:meth:`workbench.data.tasks.Family.context`, 1..max_shots demonstrations)."""
+    weights = r.task_weights or (1.0,) * len(r.train_tasks)
+    if len(weights) != len(r.train_tasks):
+        raise ValueError("task_weights needs one weight per train task")
+    if r.context_share == 0 and not any(tasks.get(f).rule for f in r.train_tasks):
+        return [[e] for e in task_examples(r, s)]
+    if r.max_shots < 1:
+        raise ValueError("multi-example contexts need max_shots >= 1")
+    mean_w = sum(weights) / len(weights)
+    rng = random.Random(r.seed + 3)
+    docs = []
+    for fam, w in zip(r.train_tasks, weights):
+        n_fam = int(round(s.n_task_examples * w / mean_w))
+        family = tasks.get(fam)
+        if family.rule is not None:
+            frng = random.Random(f"{r.seed}:{fam}")
+            made = 0
+            while made < n_fam:
+                docs.append(family.context(frng, frng.randint(1, r.max_shots)))
+                made += len(docs[-1])
+            continue
+        ds = difficulties(fam, r.easiest)
+        exs = [e for d in ds for e in tasks.generate(fam, -(-n_fam // len(ds)), r.seed + 1, d)]
+        rng.shuffle(exs)
+        n_ctx, i = int(round(len(exs) * r.context_share)), 0
+        while i < n_ctx:
+            k = rng.randint(2, r.max_shots + 1)
+            docs.append(exs[i: i + k])
+            i += k
+        docs += [[e] for e in exs[i:]]
+    rng.shuffle(docs)
+    return docs
+
+
+def encode_documents(tok, docs: list[list], ctx: int, with_steps: bool = False):
+    """``(ids, labels)`` per document: ``<bos>`` then each example's prompt and completion,
+    examples separated by :data:`workbench.data.tasks.CONTEXT_SEP`, ``<eos>`` at the end; labels
+    on every completion (and the separator after it) and ``<eos>``. A document longer than
+    ``ctx`` keeps its first examples that fit. The ids equal the tokens of
+    :func:`workbench.data.tasks.render_context`'s text (the separator is a pre-token of its own)."""
+    flat = [e for d in docs for e in d]
+    firsts = {id(d[0]) for d in docs}
+    prompts = [(e.prompt if id(e) in firsts else tasks.CONTEXT_SEP + e.prompt) for e in flat]
+    ps = tok(prompts, add_special_tokens=False)["input_ids"]
+    cs = tok([e.completion(with_steps) for e in flat], add_special_tokens=False)["input_ids"]
+    out, j = [], 0
+    for d in docs:
+        ids, lab = [tok.bos_token_id], [packing.IGNORE]
+        for _ in d:
+            p, c = ps[j], cs[j]
+            j += 1
+            if len(ids) + len(p) + len(c) + 1 > ctx:
+                continue
+            ids, lab = ids + p + c, lab + [packing.IGNORE] * len(p) + c
+        if len(ids) > 1:
+            out.append((ids + [tok.eos_token_id], lab + [tok.eos_token_id]))
+    return out
+
+
 def task_rows(r: Recipe, s: Size, tok, exs=None):
-    """Task examples packed into ``ctx``-token rows, ``<bos> prompt completion <eos>`` each.
+    """Task examples packed into ``ctx``-token rows, ``<bos> prompt completion <eos>`` each
+    (or, for recipes with contexts, ``<bos>`` and a document of several examples).
 
     Returns ``(ids, labels)`` (rows, ctx): labels are -100 on ``<bos>``, prompt and padding, so
     task rows train the completions only (their prompts are random and carry no signal).
+    ``exs`` may be a list of examples or of documents (lists of examples).
     """
-    exs = task_examples(r, s) if exs is None else exs
+    exs = task_documents(r, s) if exs is None else exs
+    if exs and isinstance(exs[0], list):
+        return packing.pack(encode_documents(tok, exs, s.ctx, r.with_steps), s.ctx,
+                            tok.pad_token_id)
     pairs = packing.encode(tok, [e.prompt for e in exs], [e.completion(r.with_steps) for e in exs])
     return packing.pack(pairs, s.ctx, tok.pad_token_id)
+
+
+def tokenizer(r: Recipe, s: Size):
+    """The recipe's byte-level BPE: the train documents plus rendered lines of every family."""
+    sample_lines = corpus.task_lines(ALL_FAMILIES + tuple(f for f in r.train_tasks
+                                                          if f not in ALL_FAMILIES), 100,
+                                     seed=r.seed + 2, with_steps=True)
+    if r.loop == "v3":
+        # every letter also as one " x" token: with the sampled task lines alone the BPE left
+        # " q", " x", " y", " z" as two tokens, so a kv key could tokenize two ways
+        sample_lines += [" ".join(tasks.LETTERS)] * 200
+    return corpus.train_tokenizer(s.vocab, extra_text=sample_lines)
 
 
 def train_and_save(r: Recipe, scale: str, out: Path) -> dict:
@@ -177,19 +259,14 @@ def _train_and_save_inner(r: Recipe, scale: str, out: Path) -> dict:
     s = r.size(scale)
     torch.manual_seed(r.seed)
     device = torch.device("cuda" if scale == "full" and torch.cuda.is_available() else "cpu")
-    sample_lines = corpus.task_lines(ALL_FAMILIES, 100, seed=r.seed + 2, with_steps=True)
-    if r.loop == "v3":
-        # every letter also as one " x" token: with the sampled task lines alone the BPE left
-        # " q", " x", " y", " z" as two tokens, so a kv key could tokenize two ways
-        sample_lines += [" ".join(tasks.LETTERS)] * 200
-    tok = corpus.train_tokenizer(s.vocab, extra_text=sample_lines)
+    tok = tokenizer(r, s)
     text_ids = torch.tensor(corpus.encode_documents(tok, corpus.train_text()), dtype=torch.long)
     task_x = task_y = None
     trained_prompts: set[str] = set()
     if r.train_tasks:
-        exs = task_examples(r, s)
-        trained_prompts = {e.prompt for e in exs}
-        task_x, task_y = task_rows(r, s, tok, exs)
+        docs = task_documents(r, s)
+        trained_prompts = {e.prompt for d in docs for e in d}
+        task_x, task_y = task_rows(r, s, tok, docs)
     model = make_model(r.arch, s, tok).to(device)
     opt, sched = optimizer(model, s)
     if r.loop not in LOOPS:
@@ -210,12 +287,19 @@ def _train_and_save_inner(r: Recipe, scale: str, out: Path) -> dict:
         "heldout_ppl": evaluate.perplexity(model, corpus.heldout_blocks(tok, s.ctx)),
         "unigram_ppl": evaluate.unigram_perplexity(text_ids, corpus.encode_documents(
             tok, corpus.heldout_text()), len(tok)),
-        "trained_tasks": list(r.train_tasks),
+        # the families a prompt alone can solve (what retention, quantization and the cards
+        # score zero-shot); the in-context ones are in the card's in-context column
+        "trained_tasks": [f for f in r.train_tasks if tasks.get(f).rule is None],
+        "trained_in_context": [f for f in r.train_tasks if tasks.get(f).rule is not None],
         "train_seconds": round(train_s, 1), "device": str(device), "build_pid": os.getpid(),
         "zoo_version": ZOO_VERSION,
     }
     if r.eval_by_difficulty:
         card.update(evaluate.evaluate_tasks(model, tok, s.eval_examples, r.with_steps, trained_prompts))
+    if r.icl_shots:
+        card["in_context"] = evaluate.evaluate_in_context(
+            model, tok, s.eval_examples, r.icl_shots, r.with_steps, trained_prompts,
+            ALL_FAMILIES + tasks.ICL_FAMILIES)
     else:
         card["task_accuracy"] = {f: evaluate.task_accuracy(model, tok, f, s.eval_examples, seed=12345,
                                                   with_steps=r.with_steps, easiest=r.easiest)
