@@ -13,7 +13,8 @@ completion and takes what follows the last ``=>`` (or the whole line when there 
 Shared surface forms (so routing and forgetting are real):
 - ``reverse``, ``sort``, ``rotate``, ``dedupe`` and ``swap`` all read ``"s t r i n g ->"``: only the
   rule differs;
-- ``add`` and ``addmod`` (the sum modulo 10 per digit, no carries) both read ``"23+49="``;
+- ``add`` and ``addmod`` (the sum modulo 10 per digit, no carries) both read ``"23+49="``
+  (``longadd`` is ``add``'s rule on 6 to 14 digits, for long traces; its own surface);
 - ``pattern`` and ``pattern_skip`` both read ``"a b c a b c a ->"``.
 ``addmod`` and ``pattern_skip`` even draw the same prompts as ``add`` and ``pattern`` for the same
 seed (``Family.stream``), so the two rules can be compared on identical inputs.
@@ -122,6 +123,14 @@ def _add_steps(a: int, b: int) -> list[str]:
 def _make_add(rng, d):
     a, b = _num(rng, d), _num(rng, d)
     return Example("add", f"{a}+{b}=", str(a + b), d, _add_steps(a, b), {"a": a, "b": b})
+
+
+def _make_longadd(rng, d):
+    """Long addition (6 to 14 digits), the steps of ``add`` column by column: the long-trace
+    family (a 12-digit sum writes about 150 tokens, 14 digits about 175, in the zoo's
+    tokenizer), regular and verifiable at every step."""
+    a, b = _num(rng, d), _num(rng, d)
+    return Example("longadd", f"{a}+{b}=", str(a + b), d, _add_steps(a, b), {"a": a, "b": b})
 
 
 def _make_addmod(rng, d):
@@ -267,6 +276,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            _pattern_family("pattern", False), (2, 3, 4)),
     Family("pattern_skip", "the symbol after next of a repeated motif (looks like pattern)",
            "pattern", _pattern_family("pattern_skip", True), (2, 3, 4), stream="pattern"),
+    # add's rule and steps on 6 to 14 digits: prompts never look like add's (1 to 4 digits)
+    Family("longadd", "a+b with 6 to 14 digits, add's column steps (the long-trace family)",
+           "arith+long", _make_longadd, (6, 8, 10, 12, 14), True),
 ]}
 
 

@@ -25,7 +25,7 @@ from ..env import torch_threads
 from ..progress import progress
 from .recipes import ALL_FAMILIES, ZOO_VERSION, Recipe, Size, difficulties
 
-__all__ = ["make_model", "task_examples", "task_rows", "optimizer", "loop_v1", "loop_v2", "LOOPS",
+__all__ = ["make_model", "task_examples", "completions", "init_model", "task_rows", "optimizer", "loop_v1", "loop_v2", "LOOPS",
            "train_and_save"]
 
 
@@ -68,6 +68,49 @@ def task_examples(r: Recipe, s: Size) -> list:
     return exs
 
 
+def completions(r: Recipe, exs) -> list[str]:
+    """The rendered completion of each training example. Without steps: the bare answer. With
+    steps: the steps then the answer, except (v4) the ``direct_levels[i]`` easiest difficulties
+    of train task ``i``, rendered as bare answers (easy items answered at once), and a
+    ``forced_direct_share`` of the rest (of every family, so the form is known everywhere)
+    rendered ``" => answer"`` (the form of a forced direct answer, notebook 06's
+    ``truncate@0``), drawn with the build seed."""
+    if not r.with_steps:
+        return [e.completion(False) for e in exs]
+    levels = dict(zip(r.train_tasks, r.direct_levels)) if r.direct_levels else {}
+    if r.direct_levels is not None and len(r.direct_levels) != len(r.train_tasks):
+        raise ValueError("direct_levels needs one count per train task")
+    rng = random.Random(r.seed + 3)
+    out = []
+    for e in exs:
+        if e.difficulty in tasks.get(e.family).difficulties[:levels.get(e.family, 0)]:
+            out.append(e.completion(False))
+        elif r.forced_direct_share and rng.random() < r.forced_direct_share:
+            out.append(f" {tasks.ANSWER_MARK} {e.target}")
+        else:
+            out.append(e.completion(True))
+    return out
+
+
+def init_model(r: Recipe, scale: str, s: Size):
+    """``(model, tokenizer, base card)`` of the zoo model ``r.init_from`` (built if missing), to be
+    fine-tuned: the recipe's sizes must keep the base's architecture (its ``ctx`` may grow)."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from . import zoo
+    path, _ = zoo.ensure(r.init_from, scale)
+    base = json.loads((path / "card.json").read_text())
+    arch_fields = ("d_model", "n_layers", "n_heads", "d_ff", "vocab")
+    diff = {k: (base["size"][k], getattr(s, k)) for k in arch_fields
+            if base["size"][k] != getattr(s, k)}
+    if diff or base["arch"] != r.arch:
+        raise ValueError(f"{r.name} fine-tunes {r.init_from} but changes its architecture: "
+                         f"{diff or (base['arch'], r.arch)}")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="float32")
+    model.config.max_position_embeddings = max(s.ctx, model.config.max_position_embeddings)
+    tok = PreTrainedTokenizerFast.from_pretrained(path)
+    return model, tok, base
+
+
 def task_rows(r: Recipe, s: Size, tok, exs=None):
     """Task examples packed into ``ctx``-token rows, ``<bos> prompt completion <eos>`` each.
 
@@ -75,7 +118,7 @@ def task_rows(r: Recipe, s: Size, tok, exs=None):
     task rows train the completions only (their prompts are random and carry no signal).
     """
     exs = task_examples(r, s) if exs is None else exs
-    pairs = packing.encode(tok, [e.prompt for e in exs], [e.completion(r.with_steps) for e in exs])
+    pairs = packing.encode(tok, [e.prompt for e in exs], completions(r, exs))
     return packing.pack(pairs, s.ctx, tok.pad_token_id)
 
 
@@ -172,17 +215,45 @@ def loop_v2(model, opt, sched, text_ids, task_x, task_y, r: Recipe, s: Size, pad
 LOOPS = {"v1": loop_v1, "v2": loop_v2, "v3": loop_v2}
 
 
+def _direct_comparison(r: Recipe, scale: str, s: Size, model, tok, card: dict,
+                       trained_prompts: set[str]) -> dict:
+    """The card's direct-answer column (paper 06): this model's forced direct answers
+    (:func:`workbench.evaluate.forced_direct`) against the direct answers of ``r.compare_direct``
+    (built if missing) on the same held-out prompts, at every difficulty of the families both
+    models solve (exact match >= 0.8 at the middle difficulty, each in its own mode); ``ratio``
+    is the mean of ours over the mean of theirs."""
+    from . import zoo
+    other, otok = zoo.load(r.compare_direct, scale)
+    both = [f for f in r.train_tasks if f in other.zoo_card["trained_tasks"]]
+    ours = evaluate.direct_section(model, tok, s.eval_examples, both, trained_prompts, True)
+    theirs = evaluate.direct_section(other, otok, s.eval_examples, both, trained_prompts, False)
+    mid = lambda acc, f: acc[f][str(evaluate.MIDDLE[f])]                     # noqa: E731
+    solved = [f for f in both if card["task_accuracy_middle"][f] >= 0.8
+              and mid(theirs, f) >= 0.8]
+    mean = lambda acc: (sum(sum(acc[f].values()) / len(acc[f]) for f in solved)  # noqa: E731
+                        / len(solved)) if solved else float("nan")
+    return {"against": r.compare_direct, "against_key": other.zoo_card["key"],
+            "protocol": "forced: prompt + ' =>' then greedy (06's truncate@0)",
+            "forced_direct": ours, "other_direct": theirs, "solved_by_both": solved,
+            "forced_direct_mean": mean(ours), "other_direct_mean": mean(theirs),
+            "ratio": mean(ours) / mean(theirs) if solved else float("nan")}
+
+
 def _train_and_save_inner(r: Recipe, scale: str, out: Path) -> dict:
     t0 = time.time()
     s = r.size(scale)
     torch.manual_seed(r.seed)
     device = torch.device("cuda" if scale == "full" and torch.cuda.is_available() else "cpu")
-    sample_lines = corpus.task_lines(ALL_FAMILIES, 100, seed=r.seed + 2, with_steps=True)
-    if r.loop == "v3":
-        # every letter also as one " x" token: with the sampled task lines alone the BPE left
-        # " q", " x", " y", " z" as two tokens, so a kv key could tokenize two ways
-        sample_lines += [" ".join(tasks.LETTERS)] * 200
-    tok = corpus.train_tokenizer(s.vocab, extra_text=sample_lines)
+    base_card = None
+    if r.init_from is not None:      # v4: a fine-tune of a built zoo model, its tokenizer too
+        model, tok, base_card = init_model(r, scale, s)
+    else:
+        sample_lines = corpus.task_lines(ALL_FAMILIES, 100, seed=r.seed + 2, with_steps=True)
+        if r.loop == "v3":
+            # every letter also as one " x" token: with the sampled task lines alone the BPE
+            # left " q", " x", " y", " z" as two tokens, so a kv key could tokenize two ways
+            sample_lines += [" ".join(tasks.LETTERS)] * 200
+        tok = corpus.train_tokenizer(s.vocab, extra_text=sample_lines)
     text_ids = torch.tensor(corpus.encode_documents(tok, corpus.train_text()), dtype=torch.long)
     task_x = task_y = None
     trained_prompts: set[str] = set()
@@ -190,7 +261,9 @@ def _train_and_save_inner(r: Recipe, scale: str, out: Path) -> dict:
         exs = task_examples(r, s)
         trained_prompts = {e.prompt for e in exs}
         task_x, task_y = task_rows(r, s, tok, exs)
-    model = make_model(r.arch, s, tok).to(device)
+    if r.init_from is None:
+        model = make_model(r.arch, s, tok)
+    model = model.to(device)
     opt, sched = optimizer(model, s)
     if r.loop not in LOOPS:
         raise ValueError(f"unknown training loop {r.loop!r}; choose {sorted(LOOPS)}")
@@ -215,7 +288,16 @@ def _train_and_save_inner(r: Recipe, scale: str, out: Path) -> dict:
         "zoo_version": ZOO_VERSION,
     }
     if r.eval_by_difficulty:
-        card.update(evaluate.evaluate_tasks(model, tok, s.eval_examples, r.with_steps, trained_prompts))
+        card.update(evaluate.evaluate_tasks(model, tok, s.eval_examples, r.with_steps,
+                                            trained_prompts, ALL_FAMILIES + tuple(r.extra_eval)))
+        if base_card is not None:
+            card["init_from"] = {"name": base_card["name"], "key": base_card["key"]}
+        for f in r.extra_eval:
+            if f in evaluate.LONG_LEVEL:
+                card.setdefault("long_trace", {})[f] = evaluate.long_trace_section(
+                    model, tok, f, s.eval_examples, trained_prompts)
+        if r.with_steps and r.compare_direct:
+            card["direct"] = _direct_comparison(r, scale, s, model, tok, card, trained_prompts)
     else:
         card["task_accuracy"] = {f: evaluate.task_accuracy(model, tok, f, s.eval_examples, seed=12345,
                                                   with_steps=r.with_steps, easiest=r.easiest)
