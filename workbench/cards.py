@@ -26,7 +26,11 @@ def card_rows(cards: list[dict]) -> list[dict]:
             "solved": sorted(f for f, a in by.items() if a >= 0.8),
             "trained": {f: by.get(f) for f in c.get("trained_tasks", []) if f in by},
             "heldout_best": max((a for f, a in by.items() if f not in trained), default=None),
-            "in_context": _in_context_cell(c)})
+            "in_context": _in_context_cell(c),
+            "init_from": (c.get("init_from") or {}).get("name"),
+            "direct": _direct_cell(c.get("direct")),
+            "long_trace": [(f, t["difficulty"], t["median_tokens_written"], t["exact_match"])
+                           for f, t in c.get("long_trace", {}).items()]})
     return rows
 
 
@@ -39,6 +43,14 @@ def _in_context_cell(c: dict) -> str:
     k = str(ic["shots"])
     return ", ".join(f"{f} {v['0']:.2f}->{v[k]:.2f}" for f, v in ic["accuracy"].items()
                      if v["gain"] >= 0.3) or "none"
+
+
+def _direct_cell(d: dict | None):
+    """``(ratio, ours, theirs, against, families)`` of a card's forced-direct comparison."""
+    if not d:
+        return None
+    return (d["ratio"], d["forced_direct_mean"], d["other_direct_mean"], d["against"],
+            d["solved_by_both"])
 
 
 def format_cards(cards: list[dict]) -> str:
@@ -55,6 +67,18 @@ def format_cards(cards: list[dict]) -> str:
         lines.append(f"| {r['name']} ({r['scale']}) | {r['arch']} | {r['params'] / 1e6:.2f}M | "
                      f"{r['tokens'] / 1e6:.2f}M | {r['build_s']} | {r['ppl']} ({r['unigram']}) "
                      f"| {fam} | {hb} | {r['in_context']} |")
+    v4 = [r for r in card_rows(cards) if r["init_from"] or r["direct"] or r["long_trace"]]
+    if v4:
+        lines += ["", "| model | fine-tuned from | forced direct / other's direct (families "
+                  "both solve) | long trace: median tokens written, exact match |",
+                  "|---|---|---|---|"]
+        for r in v4:
+            d = r["direct"]
+            dc = "" if d is None else (f"{d[0]:.2f} ({d[1]:.2f} / {d[2]:.2f} {d[3]}; "
+                                       f"{', '.join(d[4])})")
+            lt = "; ".join(f"{f} at {k}: {m:.0f} tokens, {a:.2f}" for f, k, m, a in
+                           r["long_trace"])
+            lines.append(f"| {r['name']} ({r['scale']}) | {r['init_from'] or ''} | {dc} | {lt} |")
     pools = [c for c in cards if "adapters" in c]
     for p in pools:
         lines.append("")

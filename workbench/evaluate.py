@@ -17,16 +17,20 @@ from . import quant
 from .data import corpus, tasks
 from .models.recipes import ALL_FAMILIES, difficulties
 
-__all__ = ["MIDDLE", "heldout_examples", "evaluate_tasks", "in_context_examples",
-           "in_context_accuracy", "evaluate_in_context", "quant_sensitivity", "perplexity",
-           "unigram_perplexity", "generate", "task_accuracy", "item_scores", "exact_match"]
+__all__ = ["MIDDLE", "LONG_LEVEL", "heldout_examples", "evaluate_tasks", "in_context_examples",
+           "in_context_accuracy", "evaluate_in_context", "forced_direct", "direct_section",
+           "long_trace_section", "quant_sensitivity", "perplexity", "unigram_perplexity",
+           "generate", "task_accuracy", "item_scores", "exact_match"]
 
 
 # the "middle" difficulty of each family (issue 18): 3-digit add/sub, strings of 5, kv with 4
 # pairs, count over 6 letters, motifs of 3
 MIDDLE = {"add": 3, "addmod": 3, "sub": 3, "mul": 2, "chain": 3, "reverse": 5, "sort": 5,
           "rotate": 5, "swap": 5, "dedupe": 5, "kv": 4, "count": 6, "pattern": 3,
-          "pattern_skip": 3, "lettermap": 2, "digitmap": 2, "pick": 3, "tag": 3}
+          "pattern_skip": 3, "lettermap": 2, "digitmap": 2, "pick": 3, "tag": 3, "longadd": 10}
+# the difficulty at which a long-trace family's card column is read (papers 18 and 04): 12-digit
+# sums, about 150 tokens written
+LONG_LEVEL = {"longadd": 12}
 
 
 def heldout_examples(family: str, difficulty: int, n: int, exclude: set[str] = frozenset(),
@@ -210,3 +214,51 @@ def exact_match(model, tok, examples, with_steps: bool = False, return_tokens: b
         return acc
     written = sum(len(tok(c, add_special_tokens=False)["input_ids"]) for c in comps)
     return acc, written / len(examples)
+
+
+def forced_direct(model, tok, examples) -> list[str]:
+    """Forced direct answers, notebook 06's ``truncate@0``: ``" =>"`` appended to each prompt, the
+    model writes its answer at once. Returns the completions, ``" =>"`` included."""
+    longest = max(len(tok(" " + e.target, add_special_tokens=False)["input_ids"]) for e in examples)
+    tails = generate(model, tok, [e.prompt + f" {tasks.ANSWER_MARK}" for e in examples],
+                     max_new_tokens=longest + 2)
+    return [f" {tasks.ANSWER_MARK}" + t.split("\n")[0] for t in tails]
+
+
+def direct_section(model, tok, n: int, families, exclude: set[str] = frozenset(),
+                   forced: bool = True) -> dict:
+    """Direct-answer exact match at every difficulty of ``families`` on held-out prompts: forced
+    (:func:`forced_direct`, for a model that writes steps) or the model's own greedy answer (a
+    model that answers directly). ``{family: {difficulty: accuracy}}``."""
+    out = {}
+    for f in families:
+        out[f] = {}
+        for d in tasks.get(f).difficulties:
+            exs, _ = heldout_examples(f, d, n, exclude)
+            if forced:
+                comps = forced_direct(model, tok, exs)
+                out[f][str(d)] = round(sum(tasks.score(e, c) for e, c in zip(exs, comps))
+                                       / len(exs), 4)
+            else:
+                out[f][str(d)] = round(exact_match(model, tok, exs), 4)
+    return out
+
+
+def long_trace_section(model, tok, family: str, n: int, exclude: set[str] = frozenset(),
+                       difficulty: int | None = None) -> dict:
+    """The long-trace column: at ``difficulty`` (``LONG_LEVEL``), the median number of tokens
+    the model wrote (up to ``<eos>``), the median tokens of the reference steps alone (before
+    ``" =>"``), and the exact match of the answers."""
+    import statistics
+    d = LONG_LEVEL[family] if difficulty is None else difficulty
+    exs, _ = heldout_examples(family, d, n, exclude)
+    ref = [len(tok(" " + tasks.STEP_SEP.join(e.steps), add_special_tokens=False)["input_ids"])
+           for e in exs]
+    longest = max(len(tok(e.completion(True), add_special_tokens=False)["input_ids"])
+                  for e in exs)
+    comps = generate(model, tok, [e.prompt for e in exs], max_new_tokens=longest + 2)
+    written = [len(tok(c, add_special_tokens=False)["input_ids"]) for c in comps]
+    return {"family": family, "difficulty": d,
+            "median_tokens_written": statistics.median(written),
+            "median_reference_trace_tokens": statistics.median(ref),
+            "exact_match": round(sum(tasks.score(e, c) for e, c in zip(exs, comps)) / len(exs), 4)}

@@ -18,7 +18,8 @@ letter of a string) is the same token as when it is asked for. ``addmod`` reads 
 (Before v4, ``reverse``/``sort``/``rotate``/``swap``/``dedupe``, ``add``/``addmod`` and
 ``pattern``/``pattern_skip`` shared one surface each.) ``addmod`` and ``pattern_skip`` still draw
 the same numbers and motifs as ``add`` and ``pattern`` for the same seed (``Family.stream``), so
-the two rules can be compared on the same inputs.
+the two rules can be compared on the same inputs. ``longadd`` is ``add``'s rule and steps on
+6 to 14 digits (the long-trace family; its prompts never look like ``add``'s 1 to 4 digits).
 
 In-context families (``rule`` set): a rule drawn per *context* (a random letter substitution, a
 digit->letter code, a position to pick, a tag letter to append), shown by the examples before the
@@ -145,6 +146,14 @@ def _add_steps(a: int, b: int) -> list[str]:
 def _make_add(rng, d):
     a, b = _num(rng, d), _num(rng, d)
     return Example("add", f"{a}+{b}=", str(a + b), d, _add_steps(a, b), {"a": a, "b": b})
+
+
+def _make_longadd(rng, d):
+    """Long addition (6 to 14 digits), the steps of ``add`` column by column: the long-trace
+    family (a 12-digit sum writes about 150 tokens, 14 digits about 175, in the zoo's
+    tokenizer), regular and verifiable at every step."""
+    a, b = _num(rng, d), _num(rng, d)
+    return Example("longadd", f"{a}+{b}=", str(a + b), d, _add_steps(a, b), {"a": a, "b": b})
 
 
 def _make_addmod(rng, d):
@@ -342,6 +351,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            "pick", _make_pick, (2, 3, 4), rule=lambda rng: rng.randrange(4)),
     Family("tag", "in context: the letters then a tag letter fixed per context", "tag",
            _make_tag, (2, 3, 4, 5), rule=lambda rng: rng.choice(LETTERS[12:])),
+    # add's rule and steps on 6 to 14 digits: prompts never look like add's (1 to 4 digits)
+    Family("longadd", "a+b with 6 to 14 digits, add's column steps (the long-trace family)",
+           "arith+long", _make_longadd, (6, 8, 10, 12, 14), True),
 ]}
 ICL_FAMILIES = tuple(f for f, fam in FAMILIES.items() if fam.rule is not None)
 

@@ -235,15 +235,24 @@ def frontier_at(points: list[tuple[float, float]], x: float) -> float:
 # -- C4: the second reasoning model ------------------------------------------------------------
 
 def small_reasoning_recipe():
-    """A narrower, shallower sibling of ``lm-reasoning`` (the same data mix, tokenizer settings
-    and loop; d_model 64, 2 blocks, about 1/6 of the parameters), for C4. Not a zoo recipe: it
-    is defined here and built through ``zoo.load(..., recipe=...)``, keyed by its own hash."""
+    """A narrower, shallower sibling of ``lm-reasoning`` (d_model 64, 2 blocks), for C4. Not a
+    zoo recipe: it is defined here and built through ``zoo.load(..., recipe=...)``, keyed by its
+    own hash. lm-reasoning is a fine-tune of lm-base, whose architecture it must keep; this one
+    is trained from scratch (the v3 loop and sizes) on lm-reasoning's mix of steps, bare answers
+    at the easiest level and forced-direct answers, without the long family (its 256-token rows)."""
     base = zoo.recipe("lm-reasoning")
+    keep = [i for i, f in enumerate(base.train_tasks) if f != "longadd"]
+    pick = lambda xs: tuple(xs[i] for i in keep) if xs is not None else None   # noqa: E731
+    small = replace(zoo.recipe("lm-base").smoke, d_model=64, n_layers=2, n_heads=2, d_ff=192,
+                    eval_examples=8)
     return replace(base, name="hint-reasoning-small",
-                   description="lm-reasoning at d_model 64, 2 blocks (paper 06, C4)",
-                   smoke=replace(base.smoke, d_model=64, n_layers=2, n_heads=2, d_ff=192,
-                                 eval_examples=8),
-                   full=replace(base.full, d_model=256, n_layers=4, n_heads=4, d_ff=704))
+                   description="lm-reasoning's mix at d_model 64, 2 blocks, from scratch "
+                               "(paper 06, C4)",
+                   init_from=None, compare_direct=None, extra_eval=(),
+                   train_tasks=pick(base.train_tasks), task_weights=pick(base.task_weights),
+                   direct_levels=pick(base.direct_levels), smoke=small,
+                   full=replace(zoo.recipe("lm-base").full, d_model=256, n_layers=4, n_heads=4,
+                                d_ff=704))
 
 
 def small_reasoning(scale: str = "smoke", device: str = "cpu"):

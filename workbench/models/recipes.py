@@ -21,6 +21,8 @@ __all__ = ["ZOO_VERSION", "ALL_FAMILIES", "Size", "Recipe", "RECIPES", "SMOKE_V2
 
 ZOO_VERSION = 3   # 3: every family its own prompt surface (tasks v4); 2: the last packed task
 #                   row is kept (1 dropped it)
+# the families every card evaluates (and the tokenizer samples); longadd, the long-trace family,
+# is evaluated by the recipes that name it in ``extra_eval``
 ALL_FAMILIES = ("add", "addmod", "sub", "mul", "chain", "reverse", "sort", "rotate", "swap",
                 "dedupe", "kv", "count", "pattern", "pattern_skip")
 
@@ -46,7 +48,8 @@ class Size:
 # fields added after v1 recipes were built: left out of the key at these values, so the hashes
 # (and cached builds) of v1 recipes such as lm-tiny do not move
 _V1_DEFAULTS = {"threads": 1, "loop": "v1", "eval_by_difficulty": False, "context_share": 0.0,
-                "max_shots": 0, "icl_shots": 0}
+                "max_shots": 0, "icl_shots": 0, "init_from": None, "direct_levels": None,
+                "forced_direct_share": 0.0, "extra_eval": ()}
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,16 @@ class Recipe:
     #                                           last (contexts that overflow ctx are cut)
     icl_shots: int = 0                        # card: exact match with 0 and with this many
     #                                           demonstrations in the context (0: no such column)
+    init_from: str | None = None              # v4: fine-tune this zoo recipe's built model (its
+    #                                           weights, tokenizer and sizes; its key enters ours)
+    direct_levels: tuple[int, ...] | None = None   # with steps: per train task, how many of its
+    #                                           easiest difficulties are rendered as bare answers
+    forced_direct_share: float = 0.0          # with steps: share of the other examples rendered
+    #                                           " => answer" (the forced-direct form, no steps)
+    extra_eval: tuple[str, ...] = ()          # families beyond ALL_FAMILIES the card evaluates
+    compare_direct: str | None = None         # card only (not in the key): the zoo model whose
+    #                                           direct answers this one's forced-direct answers
+    #                                           are compared with (built if missing)
     smoke: Size = field(default_factory=Size)
     full: Size = field(default_factory=lambda: Size(
         d_model=512, n_layers=8, n_heads=8, d_ff=1408, ctx=512, vocab=2048, steps=20000,
@@ -87,12 +100,14 @@ class Recipe:
     def key(self, scale: str) -> str:
         """Hash of everything that changes the built model (recipe, this scale's sizes)."""
         d = asdict(self)
-        d.pop("smoke"), d.pop("full"), d.pop("description")
+        d.pop("smoke"), d.pop("full"), d.pop("description"), d.pop("compare_direct")
         d.update(scale=scale, size=asdict(self.size(scale)), version=ZOO_VERSION)
+        if self.init_from is not None:      # a fine-tune moves when its base does
+            d["init_key"] = recipe(self.init_from).key(scale)
         for k, v in _V1_DEFAULTS.items():
-            if d.get(k) == v:
+            if k in d and d[k] == v:
                 d.pop(k)
-            if d["size"].get(k) == v:
+            if k in d["size"] and d["size"][k] == v:
                 d["size"].pop(k)
         return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
 
@@ -121,6 +136,14 @@ _V3 = dict(loop="v3", eval_by_difficulty=True, easiest=None, smoke=SMOKE_V3, ful
 SMOKE_V4 = replace(SMOKE_V2, ctx=128, steps=1600, warmup=80)
 FULL_V4 = replace(FULL_V2, ctx=1024)
 
+# v4 (issue 31): lm-instruct and lm-reasoning are fine-tunes of one base (init_from). Same
+# architecture as the base (init_model checks it); a lower learning rate; lm-reasoning trains at
+# ctx 256 so that a 14-digit longadd trace (about 200 tokens with its prompt) fits a row.
+SMOKE_V4_FT = replace(SMOKE_V3, steps=600, lr=1e-3, warmup=30)
+SMOKE_V4_LONG = replace(SMOKE_V3, ctx=256, steps=800, lr=1e-3, warmup=30)
+FULL_V4_FT = replace(FULL_V2, steps=5000, lr=3e-4, warmup=200)
+FULL_V4_LONG = replace(FULL_V4_FT, ctx=512)
+
 RECIPES: dict[str, Recipe] = {r.name: r for r in [
     # Most task text goes to add and pattern (easiest difficulty): spread evenly over six
     # families, 400 smoke steps solved none of them; weighted, add and pattern are solved.
@@ -138,13 +161,20 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
            task_weights=(1.5, 1, 1, 1, 2, 1.5, 1.5, 1.5, 1.5), task_fraction=0.8,
            with_steps=True, loop="v3", eval_by_difficulty=True, easiest=None, context_share=0.5,
            max_shots=6, icl_shots=4, smoke=SMOKE_V4, full=FULL_V4),
-    Recipe("lm-instruct", "Llama, answers directly: reverse, pattern, count, add, chain "
-           "(paper 06)", train_tasks=("reverse", "pattern", "count", "add", "chain"),
-           task_weights=(1, 1, 1.5, 1.5, 1.5), task_fraction=0.85, **_V3),
-    Recipe("lm-reasoning", "Llama like lm-instruct (the same mix), but writes the "
-           "chain-of-thought steps of add, count and chain (paper 06)",
+    Recipe("lm-instruct", "Llama fine-tuned from lm-base, answers directly: reverse, pattern, "
+           "count, add, chain (paper 06's probe)",
            train_tasks=("reverse", "pattern", "count", "add", "chain"),
-           task_weights=(1, 1, 1.5, 1.5, 1.5), task_fraction=0.85, with_steps=True, **_V3),
+           task_weights=(1, 1, 1.5, 1.5, 1.5), task_fraction=0.85, init_from="lm-base",
+           **{**_V3, "smoke": SMOKE_V4_FT, "full": FULL_V4_FT}),
+    Recipe("lm-reasoning", "Llama fine-tuned from lm-base like lm-instruct, but writes the steps "
+           "of add, count and chain where they are hard (bare answers at their easiest level, "
+           "a share answered ' => a' directly) and the long column sums of longadd (paper 06; "
+           "long traces for 18 and 04)",
+           train_tasks=("reverse", "pattern", "count", "add", "chain", "longadd"),
+           task_weights=(1, 1, 1.5, 1.5, 1.5, 2), task_fraction=0.85, with_steps=True,
+           init_from="lm-base", direct_levels=(0, 0, 1, 1, 1, 0), forced_direct_share=0.3,
+           extra_eval=("longadd",), compare_direct="lm-instruct",
+           **{**_V3, "smoke": SMOKE_V4_LONG, "full": FULL_V4_LONG}),
     Recipe("lm-gpt2", "GPT-2 architecture, string and recall skills: reverse, pattern, kv, "
            "direct answers (paper 11 routes between it and lm-qwen2)", arch="gpt2",
            train_tasks=("reverse", "pattern", "kv"), task_weights=(1, 1, 1.5),

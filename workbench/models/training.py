@@ -12,6 +12,7 @@ import math
 import os
 import random
 import time
+from typing import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -25,7 +26,8 @@ from ..env import torch_threads
 from ..progress import progress
 from .recipes import ALL_FAMILIES, ZOO_VERSION, Recipe, Size, difficulties
 
-__all__ = ["make_model", "tokenizer", "task_examples", "task_documents", "encode_documents", "task_rows", "optimizer", "loop_v1", "loop_v2", "LOOPS",
+__all__ = ["make_model", "tokenizer", "task_examples", "completions", "task_documents",
+           "encode_documents", "init_model", "task_rows", "optimizer", "loop_v1", "loop_v2", "LOOPS",
            "train_and_save"]
 
 
@@ -108,8 +110,11 @@ def task_documents(r: Recipe, s: Size) -> list[list]:
     return docs
 
 
-def encode_documents(tok, docs: list[list], ctx: int, with_steps: bool = False):
-    """``(ids, labels)`` per document: ``<bos>`` then each example's prompt and completion,
+def encode_documents(tok, docs: list[list], ctx: int, with_steps: bool = False,
+                     comps: list[str] | None = None):
+    """``(ids, labels)`` per document: ``<bos>`` then each example's prompt and completion
+    (``comps``, one per example in document order, as :func:`completions` renders them; default
+    each example's own ``completion(with_steps)``),
     examples separated by :data:`workbench.data.tasks.CONTEXT_SEP`, ``<eos>`` at the end; labels
     on every completion (and the separator after it) and ``<eos>``. A document longer than
     ``ctx`` keeps its first examples that fit. The ids equal the tokens of
@@ -118,7 +123,8 @@ def encode_documents(tok, docs: list[list], ctx: int, with_steps: bool = False):
     firsts = {id(d[0]) for d in docs}
     prompts = [(e.prompt if id(e) in firsts else tasks.CONTEXT_SEP + e.prompt) for e in flat]
     ps = tok(prompts, add_special_tokens=False)["input_ids"]
-    cs = tok([e.completion(with_steps) for e in flat], add_special_tokens=False)["input_ids"]
+    comps = [e.completion(with_steps) for e in flat] if comps is None else comps
+    cs = tok(comps, add_special_tokens=False)["input_ids"]
     out, j = [], 0
     for d in docs:
         ids, lab = [tok.bos_token_id], [packing.IGNORE]
@@ -133,6 +139,47 @@ def encode_documents(tok, docs: list[list], ctx: int, with_steps: bool = False):
     return out
 
 
+def completions(r: Recipe, exs) -> list[str]:
+    """The rendered completion of each training example. Without steps: the bare answer. With
+    steps: the steps then the answer, except (v4) the ``direct_levels[i]`` easiest difficulties
+    of train task ``i``, rendered as bare answers (easy items answered at once), and a
+    ``forced_direct_share`` of the rest (of every family, so the form is known everywhere)
+    rendered ``" => answer"`` (the form of a forced direct answer, notebook 06's
+    ``truncate@0``), drawn with the build seed."""
+    if not r.with_steps:
+        return [e.completion(False) for e in exs]
+    levels = dict(zip(r.train_tasks, r.direct_levels)) if r.direct_levels else {}
+    if r.direct_levels is not None and len(r.direct_levels) != len(r.train_tasks):
+        raise ValueError("direct_levels needs one count per train task")
+    rng = random.Random(r.seed + 3)
+    out = []
+    for e in exs:
+        if e.difficulty in tasks.get(e.family).difficulties[:levels.get(e.family, 0)]:
+            out.append(e.completion(False))
+        elif r.forced_direct_share and rng.random() < r.forced_direct_share:
+            out.append(f" {tasks.ANSWER_MARK} {e.target}")
+        else:
+            out.append(e.completion(True))
+    return out
+
+
+def init_model(r: Recipe, scale: str, s: Size, load: Callable):
+    """``(model, tokenizer, base card)`` of the zoo model ``r.init_from`` through ``load(name,
+    scale)`` (``zoo.load``, which builds it if missing; passed in, so that training never imports
+    the cache in front of it), to be fine-tuned: the recipe's sizes must keep the base's
+    architecture (its ``ctx`` may grow)."""
+    model, tok = load(r.init_from, scale)
+    base = model.zoo_card
+    arch_fields = ("d_model", "n_layers", "n_heads", "d_ff", "vocab")
+    diff = {k: (base["size"][k], getattr(s, k)) for k in arch_fields
+            if base["size"][k] != getattr(s, k)}
+    if diff or base["arch"] != r.arch:
+        raise ValueError(f"{r.name} fine-tunes {r.init_from} but changes its architecture: "
+                         f"{diff or (base['arch'], r.arch)}")
+    model.config.max_position_embeddings = max(s.ctx, model.config.max_position_embeddings)
+    return model, tok, base
+
+
 def task_rows(r: Recipe, s: Size, tok, exs=None):
     """Task examples packed into ``ctx``-token rows, ``<bos> prompt completion <eos>`` each
     (or, for recipes with contexts, ``<bos>`` and a document of several examples).
@@ -143,9 +190,10 @@ def task_rows(r: Recipe, s: Size, tok, exs=None):
     """
     exs = task_documents(r, s) if exs is None else exs
     if exs and isinstance(exs[0], list):
-        return packing.pack(encode_documents(tok, exs, s.ctx, r.with_steps), s.ctx,
+        comps = completions(r, [e for d in exs for e in d])
+        return packing.pack(encode_documents(tok, exs, s.ctx, r.with_steps, comps), s.ctx,
                             tok.pad_token_id)
-    pairs = packing.encode(tok, [e.prompt for e in exs], [e.completion(r.with_steps) for e in exs])
+    pairs = packing.encode(tok, [e.prompt for e in exs], completions(r, exs))
     return packing.pack(pairs, s.ctx, tok.pad_token_id)
 
 
@@ -161,13 +209,16 @@ def tokenizer(r: Recipe, s: Size):
     return corpus.train_tokenizer(s.vocab, extra_text=sample_lines)
 
 
-def train_and_save(r: Recipe, scale: str, out: Path) -> dict:
+def train_and_save(r: Recipe, scale: str, out: Path, load: Callable | None = None) -> dict:
+    """Train ``r`` at ``scale`` and save model, tokenizer and card into ``out``. ``load(name,
+    scale) -> (model, tok)`` (``zoo.load``) gives a fine-tune its base (``init_from``) and the
+    card its comparison model (``compare_direct``)."""
     # Small matmuls on a shared CPU: one thread avoids OpenMP spin-waiting, which we measured
     # making a 2-thread step ~10x slower under contention (v1). v2 recipes name their threads
     # (benchmarks/zoo_throughput.py measures both). WORKBENCH_ZOO_THREADS overrides either.
     default = r.size(scale).threads if r.loop != "v1" else 1
     with torch_threads(os.environ.get("WORKBENCH_ZOO_THREADS", default)):
-        return _train_and_save_inner(r, scale, out)
+        return _train_and_save_inner(r, scale, out, load)
 
 
 def optimizer(model, s: Size):
@@ -254,12 +305,41 @@ def loop_v2(model, opt, sched, text_ids, task_x, task_y, r: Recipe, s: Size, pad
 LOOPS = {"v1": loop_v1, "v2": loop_v2, "v3": loop_v2}
 
 
-def _train_and_save_inner(r: Recipe, scale: str, out: Path) -> dict:
+def _direct_comparison(r: Recipe, scale: str, s: Size, model, tok, card: dict,
+                       trained_prompts: set[str], load: Callable) -> dict:
+    """The card's direct-answer column (paper 06): this model's forced direct answers
+    (:func:`workbench.evaluate.forced_direct`) against the direct answers of ``r.compare_direct``
+    (built if missing) on the same held-out prompts, at every difficulty of the families both
+    models solve (exact match >= 0.8 at the middle difficulty, each in its own mode); ``ratio``
+    is the mean of ours over the mean of theirs."""
+    other, otok = load(r.compare_direct, scale)
+    both = [f for f in r.train_tasks if f in other.zoo_card["trained_tasks"]]
+    ours = evaluate.direct_section(model, tok, s.eval_examples, both, trained_prompts, True)
+    theirs = evaluate.direct_section(other, otok, s.eval_examples, both, trained_prompts, False)
+    mid = lambda acc, f: acc[f][str(evaluate.MIDDLE[f])]                     # noqa: E731
+    solved = [f for f in both if card["task_accuracy_middle"][f] >= 0.8
+              and mid(theirs, f) >= 0.8]
+    mean = lambda acc: (sum(sum(acc[f].values()) / len(acc[f]) for f in solved)  # noqa: E731
+                        / len(solved)) if solved else float("nan")
+    return {"against": r.compare_direct, "against_key": other.zoo_card["key"],
+            "protocol": "forced: prompt + ' =>' then greedy (06's truncate@0)",
+            "forced_direct": ours, "other_direct": theirs, "solved_by_both": solved,
+            "forced_direct_mean": mean(ours), "other_direct_mean": mean(theirs),
+            "ratio": mean(ours) / mean(theirs) if solved else float("nan")}
+
+
+def _train_and_save_inner(r: Recipe, scale: str, out: Path, load: Callable | None) -> dict:
+    if (r.init_from or r.compare_direct) and load is None:
+        raise ValueError(f"{r.name} needs other zoo models: build it through zoo.ensure")
     t0 = time.time()
     s = r.size(scale)
     torch.manual_seed(r.seed)
     device = torch.device("cuda" if scale == "full" and torch.cuda.is_available() else "cpu")
-    tok = tokenizer(r, s)
+    base_card = None
+    if r.init_from is not None:      # v4: a fine-tune of a built zoo model, its tokenizer too
+        model, tok, base_card = init_model(r, scale, s, load)
+    else:
+        tok = tokenizer(r, s)
     text_ids = torch.tensor(corpus.encode_documents(tok, corpus.train_text()), dtype=torch.long)
     task_x = task_y = None
     trained_prompts: set[str] = set()
@@ -267,7 +347,9 @@ def _train_and_save_inner(r: Recipe, scale: str, out: Path) -> dict:
         docs = task_documents(r, s)
         trained_prompts = {e.prompt for d in docs for e in d}
         task_x, task_y = task_rows(r, s, tok, docs)
-    model = make_model(r.arch, s, tok).to(device)
+    if r.init_from is None:
+        model = make_model(r.arch, s, tok)
+    model = model.to(device)
     opt, sched = optimizer(model, s)
     if r.loop not in LOOPS:
         raise ValueError(f"unknown training loop {r.loop!r}; choose {sorted(LOOPS)}")
@@ -295,11 +377,21 @@ def _train_and_save_inner(r: Recipe, scale: str, out: Path) -> dict:
         "zoo_version": ZOO_VERSION,
     }
     if r.eval_by_difficulty:
-        card.update(evaluate.evaluate_tasks(model, tok, s.eval_examples, r.with_steps, trained_prompts))
-    if r.icl_shots:
-        card["in_context"] = evaluate.evaluate_in_context(
-            model, tok, s.eval_examples, r.icl_shots, r.with_steps, trained_prompts,
-            ALL_FAMILIES + tasks.ICL_FAMILIES)
+        card.update(evaluate.evaluate_tasks(model, tok, s.eval_examples, r.with_steps,
+                                            trained_prompts, ALL_FAMILIES + tuple(r.extra_eval)))
+        if base_card is not None:
+            card["init_from"] = {"name": base_card["name"], "key": base_card["key"]}
+        for f in r.extra_eval:
+            if f in evaluate.LONG_LEVEL:
+                card.setdefault("long_trace", {})[f] = evaluate.long_trace_section(
+                    model, tok, f, s.eval_examples, trained_prompts)
+        if r.with_steps and r.compare_direct:
+            card["direct"] = _direct_comparison(r, scale, s, model, tok, card, trained_prompts,
+                                                load)
+        if r.icl_shots:
+            card["in_context"] = evaluate.evaluate_in_context(
+                model, tok, s.eval_examples, r.icl_shots, r.with_steps, trained_prompts,
+                ALL_FAMILIES + tasks.ICL_FAMILIES)
     else:
         card["task_accuracy"] = {f: evaluate.task_accuracy(model, tok, f, s.eval_examples, seed=12345,
                                                   with_steps=r.with_steps, easiest=r.easiest)

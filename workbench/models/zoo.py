@@ -56,7 +56,8 @@ def ensure(name: str, scale: str = "smoke", given: Recipe | None = None,
            force: bool = False) -> tuple[Path, bool]:
     """Make sure the model is built (:func:`cache.build`); return ``(path, built_now)``."""
     r = recipe(name, given)
-    return cache.build(model_dir(name, scale, r), lambda tmp: train_and_save(r, scale, tmp),
+    return cache.build(model_dir(name, scale, r),
+                       lambda tmp: train_and_save(r, scale, tmp, load=load),
                        ready="card.json", force=force)
 
 
