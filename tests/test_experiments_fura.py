@@ -86,3 +86,32 @@ def test_retention_at_the_first_checkpoint_reaching_tau():
 def test_prepare_rejects_an_unknown_method():
     with pytest.raises(ValueError, match="unknown method"):
         xp.prepare(_tiny(), "bogus")
+
+
+def test_block_trade_counts_and_spans():
+    torch.manual_seed(1)
+    w0 = torch.randn(48, 16, dtype=torch.float64)
+    assert xp.block_counts(16) == [1, 2, 4, 8, 16]
+    inside = torch.randn(48, 16, dtype=torch.float64)
+    U1 = fura.block_svd(w0, 1)[0]
+    inside = xp.project_blocks(inside, U1)                  # in span(U) of the whole W
+    trade = xp.block_trade(w0, {"inside": inside, "random": torch.randn(48, 16, dtype=torch.float64)}, 2)
+    assert list(trade.index) == [1, 2, 4, 8, 16]
+    assert trade.loc[4, "FuRA trainable"] == 4 * 4 * (4 + 1)            # n k (b + 1), k = b
+    assert (trade["LoRA trainable"] == 2 * (16 + 48)).all()
+    assert trade.loc[1, "outside, inside"] < 1e-12                    # n = 1: the SVD's span
+    assert trade["outside, random"].is_monotonic_increasing           # smaller blocks, less room
+    U4 = fura.block_svd(w0, 4)[0]
+    p = xp.project_blocks(inside, U4)
+    assert torch.allclose(xp.project_blocks(p, U4), p)                # a projection
+    assert fura.outside_span(p, U4) < 1e-12
+
+
+def test_inside_spectra_per_block_count():
+    torch.manual_seed(2)
+    w0 = torch.randn(48, 16, dtype=torch.float64)
+    delta = xp.project_blocks(torch.randn(48, 16, dtype=torch.float64), fura.block_svd(w0, 1)[0])
+    sp = xp.inside_spectra(w0, delta.float())                        # cast to w0's dtype
+    assert set(sp) == {"dW", 1, 2, 4, 8, 16} and len(sp[4]) == 16
+    assert abs(sp[1] - sp["dW"]).max() < 1e-5                       # n = 1: all of it inside span(U)
+    assert all(sp[n].sum() <= sp["dW"].sum() + 1e-6 for n in (2, 4, 8, 16))   # a projection shrinks it

@@ -5,7 +5,9 @@ Seven fine-tunes of one zoo LM on the same small task (LoRA, DoRA, Full FT, the 
 variant, FuRA, QLoRA, QFuRA), each trained once and cached with its (target, retention)
 trajectory; the data they share; the checks the claims read: the reconstruction of eq. (1) at
 init, where the learned updates go (share outside span(U), rank), retention at equal target
-accuracy, the cost of a training step side by side, and the 4-bit core's grid bound.
+accuracy, the cost of a training step side by side, and the 4-bit core's grid bound; and the
+explorer's block-count trade (:func:`block_trade`, :func:`inside_spectra`,
+:func:`blocks_figure`).
 """
 from __future__ import annotations
 
@@ -17,11 +19,12 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 import torch
+from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 from peft.tuners.lora.layer import Linear as LoraLinear
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from .. import cache, evaluate, quant
+from .. import cache, evaluate, plots, quant
 from ..data import packing, tasks
 from ..methods import fura
 from ..models import finetune, zoo
@@ -30,7 +33,8 @@ __all__ = ["METHODS", "GROUP", "LR", "prepare", "probe_batch", "pretrained_weigh
            "reconstruction", "logit_change", "only_cores_trainable", "TaskData", "task_data",
            "Evaluator", "cached_finetune", "finetune_all", "trajectories", "update",
            "span_table", "rank_table", "retention_at", "equal_target_level", "step_cost",
-           "cost_table", "core_within_bound", "qfura_init_error", "qlora_init_error"]
+           "cost_table", "core_within_bound", "qfura_init_error", "qlora_init_error",
+           "block_counts", "project_blocks", "block_trade", "inside_spectra", "blocks_figure"]
 
 METHODS = ("lora", "dora", "full", "svd", "fura", "qlora", "qfura")
 GROUP = "16-fura"        # cache.folder("16-fura"): the notebook's fine-tunes
@@ -368,3 +372,86 @@ def qlora_init_error(W0: dict, bits: int, group_size: int) -> dict:
     """Per layer: the relative error of QLoRA's deq(W) against W."""
     return {n: float((quant.rtn(w.float(), bits, group_size).dequantize().double() - w).norm()
                      / w.norm()) for n, w in W0.items()}
+
+
+# -- the explorer: the block count n of eq. (1) ------------------------------------------------------
+
+def block_counts(cols: int) -> list[int]:
+    """Every block count ``n`` that divides the in-features (1: the plain SVD; ``cols``: blocks
+    of width 1, only singular values left)."""
+    return [n for n in range(1, cols + 1) if cols % n == 0]
+
+
+def project_blocks(delta: torch.Tensor, U: torch.Tensor) -> torch.Tensor:
+    """``[U_1 U_1^T dW_1 ... U_n U_n^T dW_n]``: the part of an update that FuRA with the blocks
+    of ``U`` (out, n, k) can express, each column block kept in its pretrained column space."""
+    out, n, _ = U.shape
+    d = delta.reshape(out, n, -1).permute(1, 0, 2)
+    u = U.permute(1, 0, 2)
+    return (u @ (u.transpose(1, 2) @ d)).permute(1, 0, 2).reshape(delta.shape)
+
+
+def block_trade(w0: torch.Tensor, updates: dict, rank: int) -> pd.DataFrame:
+    """For every block count ``n`` of one projection (pretrained weight ``w0``): the block width
+    b, k = min(out, b), FuRA's trainable count n k (b + 1) against LoRA's r (in + out) and the
+    dense count, and the share of each learned update in ``updates`` (method -> dW) outside the
+    blocks' column spans span(U_j), what FuRA with n blocks could not express."""
+    out, cols = w0.shape
+    rows = []
+    for n in block_counts(cols):
+        U = fura.block_svd(w0, n)[0]
+        rows.append({"blocks": n, "width b": cols // n, "k": min(out, cols // n),
+                     "FuRA trainable": fura.fura_parameters(out, cols, n),
+                     "LoRA trainable": fura.lora_parameters(out, cols, rank),
+                     "dense": out * cols,
+                     **{f"outside, {m}": fura.outside_span(d.to(U.dtype), U)
+                        for m, d in updates.items()}})
+    return pd.DataFrame(rows).set_index("blocks")
+
+
+def inside_spectra(w0: torch.Tensor, delta: torch.Tensor) -> dict:
+    """The singular values of an update ``delta`` (key ``"dW"``) and of its part inside the
+    blocks' column spans for every block count n (key n, :func:`project_blocks`), computed
+    once so that moving the block count only redraws."""
+    delta = delta.to(w0.dtype)
+    out = {"dW": torch.linalg.svdvals(delta).numpy()}
+    for n in block_counts(w0.shape[1]):
+        out[n] = torch.linalg.svdvals(project_blocks(delta, fura.block_svd(w0, n)[0])).numpy()
+    return out
+
+
+def blocks_figure(trade: pd.DataFrame, spectra: dict, n: int, rank: int, layer: str,
+                  method: str = "full"):
+    """Left: trainable parameters and the share of the learned updates outside span(U_j)
+    against the block count, ``n`` marked. Right: the singular values of one method's update
+    and of its part inside the ``n`` blocks' spans (``spectra``, :func:`inside_spectra`),
+    against LoRA's rank."""
+    fig, (a, b) = plots.subplots(1, 2, figsize=(12, 4))
+    x = trade.index.to_numpy()
+    for i, c in enumerate(["FuRA trainable", "LoRA trainable", "dense"]):
+        a.loglog(x, trade[c], "o-" if i == 0 else "--", color=plots.PALETTE[i], label=c, base=2)
+    a.axvline(n, color="k", lw=1, ls=":")
+    a.set(xlabel="block count n (log)", ylabel="trainable parameters of the layer",
+          title=f"{layer}: n = {n}, width b = {trade.loc[n, 'width b']}, k = {trade.loc[n, 'k']}")
+    a.legend(fontsize=7, loc="lower left")
+    t = a.twinx()
+    for i, c in enumerate(c for c in trade.columns if c.startswith("outside")):
+        t.semilogx(x, trade[c], "s-", ms=3, color=plots.PALETTE[3 + i], label=c, base=2)
+    t.set(ylabel="share of the update outside span(Uⱼ)", ylim=(0, 1))
+    t.legend(fontsize=7, loc="center right")
+    for ax in (a, t):                   # plain tick labels: mathtext ones cost a third of a redraw
+        ax.xaxis.set_major_locator(FixedLocator(x))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_locator(NullLocator())
+    a.yaxis.set_major_formatter(ScalarFormatter())
+    a.yaxis.set_minor_locator(NullLocator())
+    top = max(float(spectra["dW"][0]), 1e-300)
+    for i, (lab, sv) in enumerate([(f"{method} ΔW", spectra["dW"]),
+                                   (f"its part FuRA (n = {n}) can express", spectra[n])]):
+        b.semilogy(np.arange(1, len(sv) + 1), np.maximum(sv / top, 1e-17),
+                   color=plots.PALETTE[i], label=lab)
+    b.axvline(rank, color="k", ls=":", lw=1, label=f"LoRA rank r = {rank}")
+    b.set(xlabel="singular value index", ylabel="σᵢ / σ₁ of the full ΔW",
+          title="Rank of the update inside the blocks' column spaces")
+    b.legend(fontsize=7)
+    return fig
