@@ -374,7 +374,7 @@ def qlora_init_error(W0: dict, bits: int, group_size: int) -> dict:
                      / w.norm()) for n, w in W0.items()}
 
 
-# -- the explorer: the block count n of eq. (1) ------------------------------------------------------
+# -- the explorer: the block count n of eq. (1) ----------------------------------------------------
 
 def block_counts(cols: int) -> list[int]:
     """Every block count ``n`` that divides the in-features (1: the plain SVD; ``cols``: blocks
