@@ -138,7 +138,8 @@ def test_clock_figure_samples_the_chosen_clock():
     fig = X.clock_figure(still, ref, "stable", 1.2, base, n=4000, seed=3)
     a0, a1 = fig.axes
     heavy, light = (ln.get_ydata() for ln in a1.get_lines()[1::-1])
-    assert heavy[0] > 10 * light[0]      # level 0.9999: a stable(1.2) source's far tail, kept by v = 0
+    assert heavy[0] > 10 * light[0]      # level 0.9999: a stable(1.2) source's tail, kept by v = 0
     assert "stable(1.2)" in a0.get_title() and "Hill" in a1.get_lines()[1].get_label()
     again = X.clock_figure(still, ref, "stable", 1.2, base, n=4000, seed=3)
-    assert np.array_equal(again.axes[1].get_lines()[1].get_ydata(), heavy)   # seeded: a move redraws the same
+    # seeded: a move back to the same clock redraws the same picture
+    assert np.array_equal(again.axes[1].get_lines()[1].get_ydata(), heavy)
