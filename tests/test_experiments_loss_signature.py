@@ -85,4 +85,6 @@ def test_sigma_correlations_find_the_scale_that_reads_difficulty():
     assert list(t.sigma) == scales and t.loc[t["spearman at sigma"].idxmax(), "sigma"] == 0.3
     assert t["spearman at sigma"].iloc[3] > 0.9 and abs(t["spearman at sigma"].iloc[0]) < 0.5
     assert abs(t["share of inflection points"].sum() - 1) < 1e-12
+    stars = [ls.inflection(scales, c)[0] for c in sig.mean(1)]        # each in its interval
+    assert t["share of inflection points"].iloc[1] == np.mean([0.1 <= v < 0.2 for v in stars])
     assert t["spearman, inflection loss"].nunique() == 1

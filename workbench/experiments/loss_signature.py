@@ -235,16 +235,18 @@ def subset_students(student: str, scale: str, traces: list[Trace], subsets: dict
 
 def sigma_correlations(sig, level, scales) -> pd.DataFrame:
     """Per perturbation scale sigma: Spearman between the level and the mean (over directions)
-    loss at that sigma, the share of traces whose inflection point sigma* lies nearest that
-    grid point, and (every row) the Spearman of the inflection-point loss itself."""
+    loss at that sigma, the share of traces whose inflection point sigma* lies in [sigma, the
+    next sigma) (a curve with no sign change falls back to its steepest rise, see
+    :func:`workbench.methods.loss_signature.inflection`), and (every row) the Spearman of the
+    inflection-point loss itself."""
     curves = np.asarray(sig).mean(1)                               # (traces, scales)
     star = np.array([ls.inflection(scales, c)[0] for c in curves])
-    nearest = np.abs(star[:, None] - np.asarray(scales)[None]).argmin(1)
+    interval = np.clip(np.searchsorted(scales, star, side="right") - 1, 0, len(scales) - 1)
     proxy = spearmanr(level, [ls.inflection(scales, c)[1] for c in curves])[0]
     return pd.DataFrame({"sigma": scales,
                          "spearman at sigma": [spearmanr(level, curves[:, j])[0]
                                                for j in range(len(scales))],
-                         "share of inflection points": np.bincount(nearest, minlength=len(scales))
+                         "share of inflection points": np.bincount(interval, minlength=len(scales))
                          / len(curves),
                          "spearman, inflection loss": proxy})
 
@@ -255,8 +257,9 @@ def sigma_figure(table: pd.DataFrame, sig, pool: pd.DataFrame, sigma: float, fra
     ``sigma`` against the true level, one colour per teacher, with each teacher's mean over the
     levels binned by quarters (the families' level grids differ)."""
     fig, (a, b) = plots.subplots(1, 2, figsize=(12, 4))
-    a.bar(table.sigma, table["share of inflection points"], width=0.02, color="0.8",
-          label="share of traces with σ* nearest")
+    edges = table.sigma.to_numpy()
+    a.bar(edges[:-1], table["share of inflection points"].iloc[:-1], width=np.diff(edges),
+          align="edge", color="0.85", ec="0.6", label="share of traces with σ* in the interval")
     a.plot(table.sigma, table["spearman at sigma"], "o-", color=plots.PALETTE[0],
            label="loss at a fixed σ")
     a.axhline(table["spearman, inflection loss"].iloc[0], color=plots.PALETTE[1], ls="--",
