@@ -4,11 +4,10 @@ A notebook declares what to vary and how to draw one state; this module builds t
 :func:`explore` takes ``draw(**values) -> figure`` (matplotlib or plotly) and one control per
 knob, declared by its values:
 
-- a list or tuple of choices: a dropdown (strings) or a selection slider (numbers);
+- a list or tuple of choices: a dropdown (strings) or a selection slider (numbers), the first
+  the default; ``choice_(options, value)`` starts at another;
 - ``range_(low, high, step)``: a slider (whole numbers when all three are ints);
-- a bool: a checkbox.
-
-The first choice (or ``range_``'s ``value``) is the default. In a live Jupyter session
+- a bool: a checkbox. In a live Jupyter session
 (:func:`workbench.env.interactive`) the controls appear above the picture and every move redraws
 it: a draw should take under a second on two cores, so it reads cached results or recomputes
 something cheap. Under papermill, nbval and CI (and in a plain script) nothing interactive is
@@ -32,7 +31,7 @@ from IPython.display import display
 from . import plots
 from .env import interactive
 
-__all__ = ["range_", "explore", "explore_table", "defaults"]
+__all__ = ["range_", "choice_", "explore", "explore_table", "defaults"]
 
 
 @dataclass(frozen=True)
@@ -51,12 +50,24 @@ class range_:          # noqa: N801 - reads like a declaration: range_(0.0, 1.0,
             raise ValueError(f"range_ value {v} lies outside [{self.low}, {self.high}]")
 
 
+@dataclass(frozen=True)
+class choice_:         # noqa: N801 - a declaration like range_
+    """Choices with a default other than the first: ``choice_([0.0, 0.1, 0.5], 0.1)``."""
+    options: tuple
+    value: object
+
+    def __post_init__(self):
+        object.__setattr__(self, "options", tuple(self.options))
+        if self.value not in self.options:
+            raise ValueError(f"choice_ value {self.value!r} is not one of {list(self.options)}")
+
+
 def _check(name: str, spec) -> None:
     if isinstance(spec, (list, tuple)) and len(spec) == 0:
         raise ValueError(f"knob {name!r} has no values to choose from")
-    if not isinstance(spec, (list, tuple, range_, bool)):
-        raise TypeError(f"knob {name!r}: give a list of choices, range_(low, high, step) or a "
-                        f"bool, not {type(spec).__name__}")
+    if not isinstance(spec, (list, tuple, range_, choice_, bool)):
+        raise TypeError(f"knob {name!r}: give a list of choices, choice_(options, value), "
+                        f"range_(low, high, step) or a bool, not {type(spec).__name__}")
 
 
 def defaults(knobs: dict) -> dict:
@@ -64,7 +75,8 @@ def defaults(knobs: dict) -> dict:
     for name, spec in knobs.items():
         _check(name, spec)
     return {n: (s.low if s.value is None else s.value) if isinstance(s, range_)
-            else s if isinstance(s, bool) else s[0] for n, s in knobs.items()}
+            else s.value if isinstance(s, choice_) else s if isinstance(s, bool) else s[0]
+            for n, s in knobs.items()}
 
 
 def _control(name: str, spec):
@@ -75,9 +87,10 @@ def _control(name: str, spec):
         slider = widgets.IntSlider if whole else widgets.FloatSlider   # a block size stays an int
         return slider(value=defaults({name: spec})[name], min=spec.low, max=spec.high,
                       step=spec.step, description=name, continuous_update=False)
-    if all(isinstance(v, str) for v in spec):
-        return widgets.Dropdown(options=list(spec), value=spec[0], description=name)
-    return widgets.SelectionSlider(options=list(spec), value=spec[0], description=name,
+    options, value = (spec.options, spec.value) if isinstance(spec, choice_) else (spec, spec[0])
+    if all(isinstance(v, str) for v in options):
+        return widgets.Dropdown(options=list(options), value=value, description=name)
+    return widgets.SelectionSlider(options=list(options), value=value, description=name,
                                    continuous_update=False)
 
 
@@ -95,7 +108,8 @@ def _offer(spec) -> str:
         return "on or off"
     if isinstance(spec, range_):
         return f"{spec.low}..{spec.high} in steps of {spec.step}"
-    return "{" + ", ".join(map(str, spec)) + "}"
+    options = spec.options if isinstance(spec, choice_) else spec
+    return "{" + ", ".join(repr(v) if isinstance(v, str) else str(v) for v in options) + "}"
 
 
 def explore(draw: Callable[..., object], **knobs) -> None:
