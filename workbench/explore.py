@@ -157,7 +157,8 @@ def explore_table(table: pd.DataFrame, x: str, y: str, knobs: list[str], by: str
     name) against ``x`` for the rows that match, one line per ``by`` value."""
     missing = [c for c in [x, y, *knobs, *([by] if by else [])] if c not in table.columns]
     if missing:
-        raise KeyError(f"explore_table: no column(s) {missing}; the table has {list(table.columns)}")
+        raise KeyError(f"explore_table: no column(s) {missing}; the table has "
+                       f"{list(table.columns)}")
 
     def draw(**values):
         rows = table
