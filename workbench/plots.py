@@ -1,7 +1,9 @@
 """House plot style and small plotting helpers. Nothing is set on import: call :func:`style`.
 
 :func:`curves` draws named series (with seed bands) as plotly in a live session and matplotlib
-always, the static picture papermill and the HTML report keep.
+always, the static picture papermill and the HTML report keep. :func:`plotly_twin` redraws a
+matplotlib figure of lines and points as plotly (hover, zoom, toggle series), so that a live
+session gets an interactive twin of every main figure a notebook saves (``run.savefig``).
 """
 from __future__ import annotations
 
@@ -10,12 +12,15 @@ import matplotlib.pyplot as plt
 import numpy as np
 import plotly.graph_objects as go
 from cycler import cycler
+from matplotlib.collections import PathCollection
+from matplotlib.colors import to_hex
 from IPython.display import display
 from plotly.subplots import make_subplots
 
 from .env import in_ipython, interactive
 
-__all__ = ["PALETTE", "style", "subplots", "band", "mark_points", "curves"]
+__all__ = ["PALETTE", "style", "subplots", "band", "mark_points", "curves", "plotly_twin",
+           "show_twin"]
 
 PALETTE = ["#1f5a96", "#d1495b", "#2e933c", "#edae49", "#6c4f9c", "#00798c", "#8d6a4f"]
 
@@ -134,7 +139,7 @@ def curves(data, x=None, *, title: str, xlabel: str, ylabel, logy: bool = False,
     if n > 1:
         fig.suptitle(title)
     if run is not None and name:
-        run.savefig(fig, name)
+        run.savefig(fig, name, twin=False)     # the plotly figure below is its twin
     if interactive():
         display(_plotly_curves(parsed, title, xlabel, ylabels, logy, cols, rows))
         plt.close(fig)                 # the live session shows the plotly figure, not both
@@ -172,3 +177,69 @@ def _plotly_curves(parsed: dict, title: str, xlabel: str, ylabels: dict, logy: b
 def _rgba(hex_color: str, alpha: float) -> str:
     h = hex_color.lstrip("#")
     return f"rgba({int(h[0:2], 16)},{int(h[2:4], 16)},{int(h[4:6], 16)},{alpha})"
+
+
+_DASH = {"-": "solid", "--": "dash", ":": "dot", "-.": "dashdot"}
+
+
+def _axes_drawable(ax) -> bool:
+    """Whether plotly can redraw ``ax`` faithfully: lines and scatter points only (no images,
+    meshes, bars or filled bands: their twin would leave something out)."""
+    return not ax.images and not ax.patches and all(
+        isinstance(c, PathCollection) for c in ax.collections)
+
+
+def _line_trace(ln, show: bool):
+    style = ln.get_linestyle()
+    marker = ln.get_marker() not in (None, "None", "", " ")
+    mode = "+".join(m for m, on in (("lines", style not in ("None", "", " ")),
+                                    ("markers", marker)) if on) or "lines"
+    label = ln.get_label()
+    return go.Scatter(x=list(ln.get_xdata()), y=list(ln.get_ydata()), mode=mode,
+                      name=label if not label.startswith("_") else "",
+                      showlegend=show and not label.startswith("_"),
+                      line=dict(color=to_hex(ln.get_color()), dash=_DASH.get(style, "solid")))
+
+
+def _scatter_trace(coll, show: bool):
+    xy = coll.get_offsets()
+    label = coll.get_label()
+    colors = coll.get_facecolors()
+    return go.Scatter(x=list(xy[:, 0]), y=list(xy[:, 1]), mode="markers",
+                      name=label if not label.startswith("_") else "",
+                      showlegend=show and not label.startswith("_"),
+                      marker=dict(color=to_hex(colors[0]) if len(colors) else None))
+
+
+def plotly_twin(fig):
+    """A plotly figure redrawing the matplotlib ``fig``'s lines and scatter points, axis labels,
+    log scales and titles, one subplot per visible axes at its grid place; ``None`` when an axes
+    holds anything else (images, bars, bands), so a twin never silently leaves a part out."""
+    axes = [ax for ax in fig.axes if ax.get_visible() and ax.get_subplotspec() is not None]
+    if not axes or not all(_axes_drawable(ax) for ax in axes):
+        return None
+    rows, cols = axes[0].get_subplotspec().get_geometry()[:2]
+    twin = make_subplots(rows=rows, cols=cols,
+                         subplot_titles=[ax.get_title() for ax in axes] if rows * cols > 1 else None)
+    for k, ax in enumerate(axes):
+        spec = ax.get_subplotspec()
+        r, c = spec.rowspan.start + 1, spec.colspan.start + 1
+        for ln in ax.get_lines():
+            twin.add_trace(_line_trace(ln, True), row=r, col=c)
+        for coll in ax.collections:
+            twin.add_trace(_scatter_trace(coll, True), row=r, col=c)
+        twin.update_xaxes(title_text=ax.get_xlabel(), row=r, col=c,
+                          type="log" if ax.get_xscale() == "log" else None)
+        twin.update_yaxes(title_text=ax.get_ylabel(), row=r, col=c,
+                          type="log" if ax.get_yscale() == "log" else None)
+    title = fig._suptitle.get_text() if fig._suptitle is not None else \
+        (axes[0].get_title() if len(axes) == 1 else "")
+    return twin.update_layout(title=title, template="plotly_white", height=320 * rows + 60)
+
+
+def show_twin(fig) -> bool:
+    """Display :func:`plotly_twin` of ``fig`` in a live session; whether there was one."""
+    twin = plotly_twin(fig) if interactive() else None
+    if twin is not None:
+        display(twin)
+    return twin is not None
