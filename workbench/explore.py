@@ -19,6 +19,7 @@ draw ``y`` against ``x``, one line per ``by`` value.
 """
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 from typing import Callable
 
@@ -26,7 +27,7 @@ import ipywidgets as widgets
 import matplotlib.pyplot as plt
 import pandas as pd
 import plotly.graph_objects as go
-from IPython.display import display
+from IPython.display import Image, display
 
 from . import plots
 from .env import interactive
@@ -95,11 +96,15 @@ def _control(name: str, spec):
 
 
 def _show(fig) -> None:
-    """Display a matplotlib or plotly figure once (a matplotlib one is closed after, so a live
-    session does not draw it twice)."""
-    display(fig)
+    """Display a matplotlib figure as a PNG (whatever the backend: under nbval's Agg a figure
+    object would show as its repr) and close it, so nothing draws it twice; a plotly one as is."""
     if isinstance(fig, plt.Figure):
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
         plt.close(fig)
+        display(Image(data=buf.getvalue()))
+    else:
+        display(fig)
 
 
 def _offer(spec) -> str:
