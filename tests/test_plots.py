@@ -94,12 +94,23 @@ def test_plotly_twin_redraws_lines_and_points_and_refuses_what_it_cannot_carry()
     assert twin.layout.xaxis.type == "log" and twin.layout.xaxis.title.text == "lr"
     assert twin.data[2].xaxis == "x2" and list(twin.data[2].y) == [5, 6]
     plt.close(fig)
-    for draw in (lambda ax: ax.imshow([[1, 2], [3, 4]]), lambda ax: ax.bar([1, 2], [3, 4]),
-                 lambda ax: ax.fill_between([1, 2], [0, 0], [1, 1])):
+    # bars, a band and an image come along; a mesh or a free span does not (no twin)
+    fig, (a, b) = plt.subplots(1, 2)
+    a.bar([1, 2], [3, 4], width=0.5, label="acc")
+    a.fill_between([1, 2], [0, 0], [1, 1], alpha=0.2, label="_band")
+    b.imshow(np.arange(6).reshape(2, 3))
+    twin = plots.plotly_twin(fig)
+    kinds = sorted(type(t).__name__ for t in twin.data)
+    assert kinds == ["Bar", "Heatmap", "Scatter"]
+    bar = [t for t in twin.data if type(t).__name__ == "Bar"][0]
+    assert list(bar.x) == [1, 2] and list(bar.y) == [3, 4] and bar.name == "acc"
+    assert twin.layout.yaxis2.autorange == "reversed"
+    plt.close(fig)
+    for draw in (lambda ax: ax.pcolormesh(np.ones((2, 2))), lambda ax: ax.axvspan(0, 1)):
         fig, ax = plt.subplots()
         ax.plot([1, 2], [1, 2])
         draw(ax)
-        assert plots.plotly_twin(fig) is None       # a twin would leave the image/bars/band out
+        assert plots.plotly_twin(fig) is None       # a twin would leave the mesh or span out
         plt.close(fig)
 
 
