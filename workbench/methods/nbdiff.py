@@ -41,6 +41,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
 
 __all__ = ["EPS", "PATHS", "block_ids", "block_mask", "parallel_mask", "additive", "add_mask_token",
            "p_mask", "noise", "shifted_logits", "diffusion_loss", "one_pass", "two_pass", "ar_loss",
@@ -285,13 +286,9 @@ def adapt(model, x0, start, path: str, steps: int, final: int, mask_id: int, lr:
 
 
 @torch.no_grad()
-def decode(model, prompt_ids: list[list[int]], gen_len: int, size: int, per_pass: int,
-           mask_id: int, context_causal: bool = True, pad_id: int = 0):
-    """Block-diffusion decoding: blocks of ``size`` left to right; in each forward pass the
-    ``per_pass`` most confident masked tokens of the current block are committed (greedy).
-    The whole sequence is recomputed every pass (no KV cache). Prompts are left-padded (pad
-    columns masked). Returns ``(generated ids (B, gen_len), forward passes)``."""
-    dev = next(model.parameters()).device
+def _left_padded(prompt_ids: list[list[int]], gen_len: int, mask_id: int, pad_id: int):
+    """``(x, L, pad counts, columns, positions)``: the prompts left-padded to the longest ``L``,
+    then ``gen_len`` masks; positions count from each prompt's first token."""
     B, L = len(prompt_ids), max(len(p) for p in prompt_ids)
     x = torch.full((B, L + gen_len), mask_id, dtype=torch.long)
     padn = torch.tensor([L - len(p) for p in prompt_ids])
@@ -299,7 +296,17 @@ def decode(model, prompt_ids: list[list[int]], gen_len: int, size: int, per_pass
         x[b, :L - len(p)] = pad_id
         x[b, L - len(p):L] = torch.tensor(p)
     cols = torch.arange(L + gen_len)
-    pos = (cols[None] - padn[:, None]).clamp(min=0)
+    return x, L, padn, cols, (cols[None] - padn[:, None]).clamp(min=0)
+
+
+def decode(model, prompt_ids: list[list[int]], gen_len: int, size: int, per_pass: int,
+           mask_id: int, context_causal: bool = True, pad_id: int = 0):
+    """Block-diffusion decoding: blocks of ``size`` left to right; in each forward pass the
+    ``per_pass`` most confident masked tokens of the current block are committed (greedy).
+    The whole sequence is recomputed every pass (no KV cache). Prompts are left-padded (pad
+    columns masked). Returns ``(generated ids (B, gen_len), forward passes)``."""
+    dev = next(model.parameters()).device
+    x, L, padn, cols, pos = _left_padded(prompt_ids, gen_len, mask_id, pad_id)
     passes = 0
     for s in range(L, L + gen_len, size):
         e = min(s + size, L + gen_len)
@@ -308,7 +315,7 @@ def decode(model, prompt_ids: list[list[int]], gen_len: int, size: int, per_pass
         ctx = torch.arange(s) if context_causal else torch.cat(
             [torch.arange(L) - L, torch.div(torch.arange(s - L), size, rounding_mode="floor")])
         ids = torch.cat([ctx, torch.full((e - s,), 10 ** 6)])
-        m = block_mask(ids)[None].expand(B, n, n).clone()
+        m = block_mask(ids)[None].expand(len(prompt_ids), n, n).clone()
         m &= (cols[None, :n] >= padn[:, None])[:, None, :]          # pads are never seen
         m |= torch.eye(n, dtype=torch.bool)[None]                  # every row sees itself
         while (x[:, s:e] == mask_id).any():
@@ -371,15 +378,8 @@ def decode_threshold(model, prompt_ids: list[list[int]], gen_len: int, size: int
     Departures: the mask token is never chosen; a last partial block is allowed; the last block's
     storing pass is skipped (it writes nothing); no stop at ``<eos>``. Prompts left-padded.
     Returns ``(generated ids (B, gen_len), forward passes including the prefill)``."""
-    from transformers import DynamicCache
-    B, L = len(prompt_ids), max(len(p) for p in prompt_ids)
-    x = torch.full((B, L + gen_len), mask_id, dtype=torch.long)
-    padn = torch.tensor([L - len(p) for p in prompt_ids])
-    for b, p in enumerate(prompt_ids):
-        x[b, :L - len(p)] = pad_id
-        x[b, L - len(p):L] = torch.tensor(p)
-    cols = torch.arange(L + gen_len)
-    pos, seen = (cols[None] - padn[:, None]).clamp(min=0), cols[None] >= padn[:, None]
+    x, L, padn, cols, pos = _left_padded(prompt_ids, gen_len, mask_id, pad_id)
+    seen = cols[None] >= padn[:, None]
     cache = DynamicCache() if use_cache else None
     x[:, L] = _greedy(_run(model, x, pos, seen, 0, L, False, cache)[:, -1], mask_id)[1]
     passes = 1
