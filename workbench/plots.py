@@ -264,7 +264,7 @@ def plotly_twin(fig):
     rows, cols = axes[0].get_subplotspec().get_geometry()[:2]
     twin = make_subplots(rows=rows, cols=cols,
                          subplot_titles=[ax.get_title() for ax in axes] if rows * cols > 1 else None)
-    for k, ax in enumerate(axes):
+    for ax in axes:
         spec = ax.get_subplotspec()
         r, c = spec.rowspan.start + 1, spec.colspan.start + 1
         traces = [_image_trace(im) for im in ax.images]
@@ -280,8 +280,7 @@ def plotly_twin(fig):
                           type="log" if ax.get_xscale() == "log" else None)
         twin.update_yaxes(title_text=ax.get_ylabel(), row=r, col=c,
                           type="log" if ax.get_yscale() == "log" else None)
-    title = fig._suptitle.get_text() if fig._suptitle is not None else \
-        (axes[0].get_title() if len(axes) == 1 else "")
+    title = fig.get_suptitle() or (axes[0].get_title() if len(axes) == 1 else "")
     return twin.update_layout(title=title, template="plotly_white", height=320 * rows + 60)
 
 
