@@ -139,3 +139,22 @@ def test_gap_closed_is_the_share_of_the_sgd_adam_gap():
     assert gap[1] == pytest.approx(0.4) and closed[1] == pytest.approx(0.75)
     assert num[1] == pytest.approx(0.25)
     assert math.isnan(closed[4]) and math.isnan(num[4])       # no gap: nothing to close
+
+
+def test_rate_table_marks_each_method_s_selected_rate_and_the_figure_reads_it():
+    from workbench.sweep import Sweep
+    rows = [{"method": m, "lr": lr, "val_acc": va, "test_acc": ta, "dist_from_init": lr,
+             "test_correct": [1]}
+            for m, accs in (("sgd", ((0.5, 0.4), (0.7, 0.6))),
+                            ("linear", ((0.6, 0.5), (math.nan, 0.1))))
+            for lr, (va, ta) in zip((1e-3, 1e-1), accs)]
+    sw = Sweep(knob="lr", select="val_acc", mode="max", table=pd.DataFrame(rows))
+    t = lab.rate_table({2: sw, 4: sw})
+    assert len(t) == 8 and set(t["shots"]) == {2, 4} and "test_correct" not in t
+    picked = t[(t["shots"] == 2) & t["selected"]].set_index("method")["lr"]
+    assert picked.to_dict() == {"sgd": 1e-1, "linear": 1e-3}      # a diverged run is never picked
+    fig = lab.rate_figure(t, 2, 1e-1, zero_shot=0.3, chance=0.25)
+    bars = fig.axes[1].patches
+    assert [b.get_height() for b in bars] == pytest.approx([0.7, 0.0, 0.6, 0.1])  # val, then test
+    ring = fig.axes[1].lines[0].get_ydata()
+    assert list(ring) == pytest.approx([0.6, 0.5])                # test at the selected rates

@@ -1,7 +1,11 @@
 """The harness of notebook 16 (workbench.experiments.fura) on a tiny module: the methods it
 prepares, the update it reads back, the 4-bit core bound and retention at equal target accuracy."""
+import copy
+from types import SimpleNamespace
+
 import pytest
 
+np = pytest.importorskip("numpy")
 torch = pytest.importorskip("torch")
 pd = pytest.importorskip("pandas")
 from torch import nn  # noqa: E402
@@ -86,3 +90,108 @@ def test_retention_at_the_first_checkpoint_reaching_tau():
 def test_prepare_rejects_an_unknown_method():
     with pytest.raises(ValueError, match="unknown method"):
         xp.prepare(_tiny(), "bogus")
+
+
+def test_block_trade_counts_and_spans():
+    torch.manual_seed(1)
+    w0 = torch.randn(48, 16, dtype=torch.float64)
+    assert xp.block_counts(16) == [1, 2, 4, 8, 16]
+    inside = torch.randn(48, 16, dtype=torch.float64)
+    U1 = fura.block_svd(w0, 1)[0]
+    inside = xp.project_blocks(inside, U1)                  # in span(U) of the whole W
+    trade = xp.block_trade(w0, {"inside": inside, "random": torch.randn(48, 16, dtype=torch.float64)}, 2)
+    assert list(trade.index) == [1, 2, 4, 8, 16]
+    assert trade.loc[4, "FuRA trainable"] == 4 * 4 * (4 + 1)            # n k (b + 1), k = b
+    assert (trade["LoRA trainable"] == 2 * (16 + 48)).all()
+    assert trade.loc[1, "outside, inside"] < 1e-12                    # n = 1: the SVD's span
+    assert trade["outside, random"].is_monotonic_increasing           # smaller blocks, less room
+    U4 = fura.block_svd(w0, 4)[0]
+    p = xp.project_blocks(inside, U4)
+    assert torch.allclose(xp.project_blocks(p, U4), p)                # a projection
+    assert fura.outside_span(p, U4) < 1e-12
+
+
+def test_inside_spectra_per_block_count():
+    torch.manual_seed(2)
+    w0 = torch.randn(48, 16, dtype=torch.float64)
+    delta = xp.project_blocks(torch.randn(48, 16, dtype=torch.float64), fura.block_svd(w0, 1)[0])
+    sp = xp.inside_spectra(w0, delta.float())                        # cast to w0's dtype
+    assert set(sp) == {"dW", 1, 2, 4, 8, 16} and len(sp[4]) == 16
+    assert abs(sp[1] - sp["dW"]).max() < 1e-5                       # n = 1: all of it inside span(U)
+    assert all(sp[n].sum() <= sp["dW"].sum() + 1e-6 for n in (2, 4, 8, 16))   # a projection shrinks it
+
+
+class TinyAttn(nn.Module):
+    """A q_proj and an o_proj of width 16 with 2 heads in ``config`` (o_proj cut by head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = SimpleNamespace(num_attention_heads=2)
+        self.emb = nn.Embedding(10, 16)
+        self.q_proj = nn.Linear(16, 16, bias=False)
+        self.o_proj = nn.Linear(16, 16, bias=False)
+
+    def forward(self, i):
+        return self.o_proj(self.q_proj(self.emb(i)))
+
+
+def test_prepare_by_head_cuts_only_o_proj_and_update_reads_it_back():
+    torch.manual_seed(0)
+    m0 = TinyAttn()
+    W0 = xp.pretrained_weights(m0)
+    for by_head, o_blocks in ((True, 2), (False, 4)):
+        m = xp.prepare(copy.deepcopy(m0), "fura", by_head=by_head)
+        assert (m.q_proj.n, m.o_proj.n) == (4, o_blocks)
+        assert xp.reconstruction(m, W0, rank=2).rel_error.max() < 1e-5
+        d = xp.update(m0, m, "fura", list(W0), by_head=by_head)     # the same blocks: no rounding
+        assert max(float(v.abs().max()) for v in d.values()) == 0.0
+    q = xp.prepare(copy.deepcopy(m0), "qfura", by_head=True, group_size=16)
+    assert q.o_proj.n == 2
+    assert set(xp.qfura_init_error(m0, W0, 4, 16, by_head=True)) == set(W0)
+
+
+def _data(val=True):
+    ex = lambda p: SimpleNamespace(prompt=p)                        # noqa: E731
+    return xp.TaskData("rotate", [], [[1, 2]], [ex("t1"), ex("t2")], {"add": [ex("r1")]},
+                       [ex("v1")] if val else [])
+
+
+def test_lr_sweep_selects_on_validation_never_on_the_test(monkeypatch, tmp_path):
+    """Each method at the rate with the best ``val_target``; the test target disagrees on
+    purpose, and every fine-tune's settings carry the rate and ``by_head``."""
+    seen = []
+    val = {("lora", 1e-3): 0.2, ("lora", 1e-2): 0.6, ("fura", 1e-3): 0.5, ("fura", 1e-2): 0.1}
+
+    def fake(base, zscale, method, pairs, settings, evaluator, every, device):
+        seen.append(settings)
+        v = val[method, settings["lr"]]
+        return None, {"trajectory": [{"step": 4, "val_target": v, "target": 1 - v}],
+                      "train_seconds": 0.0}
+
+    monkeypatch.setattr(xp, "cached_finetune", fake)
+    monkeypatch.setattr(xp.cache, "folder", lambda *parts: tmp_path)
+    monkeypatch.setattr(xp.zoo, "recipe", lambda base: SimpleNamespace(key=lambda s: "k"))
+    S = {"steps": 4, "batch": 2, "rank": 2, "lora_scale": 2.0, "bits": 4, "group_size": 16,
+         "every": 2, "by_head": True}
+    sw = xp.lr_sweep("lm", "smoke", _data(), S, 0, None, 0, "cpu", [1e-2, 1e-3], ["lora", "fura"])
+    assert xp.best_lrs(sw) == {"lora": 1e-2, "fura": 1e-3}
+    assert {s["lr"] for s in seen} == {1e-3, 1e-2} and all(s["by_head"] for s in seen)
+    assert all(s["eval"]["val"] == ["v1"] for s in seen)
+    n = len(seen)
+    xp.lr_sweep("lm", "smoke", _data(), S, 0, None, 0, "cpu", [1e-2, 1e-3], ["lora", "fura"])
+    assert len(seen) == n                                            # every run from the cache
+    with pytest.raises(ValueError, match="validation"):
+        xp.lr_sweep("lm", "smoke", _data(val=False), S, 0, None, 0, "cpu", [1e-3], ["lora"])
+
+
+def test_paired_target_scores_the_same_test_items(monkeypatch):
+    scores = {"a": np.array([1.0, 1, 1, 1, 0, 1, 1, 1]), "b": np.array([0.0, 0, 1, 0, 0, 0, 1, 0])}
+    monkeypatch.setattr(xp.evaluate, "item_scores", lambda model, tok, ex, ws: scores[model])
+    out = xp.paired_target({"a": "a", "b": "b"}, None, _data(), False, "a", ["b"])
+    assert out["b"]["diff"] == pytest.approx(0.625)
+    assert out["b"]["low"] > 0 and out["b"]["high"] <= 1
+
+
+def test_task_data_eval_names_carry_the_validation_split_only_when_drawn():
+    assert "val" not in _data(val=False).eval_names()                 # old cache keys unchanged
+    assert _data().eval_names()["val"] == ["v1"]

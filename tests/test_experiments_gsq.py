@@ -102,3 +102,48 @@ def test_readers_agree_needs_exact_codes_and_matching_perplexities():
 def test_timing_sweep_times_one_layer_per_width():
     sizes, secs = X.timing_sweep([32, 64], steps=2, seed=0, tokens=16)
     assert sizes == [32 * 32, 64 * 64] and len(secs) == 2 and all(s > 0 for s in secs)
+
+
+def _bed_of(lin, H):
+    return X.Bed(model=None, tok=None, card={}, calib=None, held=None, layers={"l": lin},
+                 H={"l": H}, ppl_fp=0.0, load_s=0.0, t_start=0.0)
+
+
+def test_group_sizes_divide_every_layer():
+    layers = {"a": nn.Linear(128, 4, bias=False), "b": nn.Linear(384, 4, bias=False)}
+    assert X.group_sizes(layers) == [32, 64, 128]
+
+
+def test_group_table_reads_the_notebook_s_group_and_quantizes_the_others(monkeypatch):
+    lin = nn.Linear(64, 8, bias=False)
+    bed = _bed_of(lin, _hessian(64))
+    seen = []
+    monkeypatch.setattr(X.Bed, "ppl", lambda self, w=None: seen.append(w) or 5.0)
+    res = {(m, b): {"ppl": {"rtn": 3.0, "gptq": 2.0, "gsq": 1.0}[m] + b}
+           for m in X.METHODS for b in (2, 3)}
+    t = X.group_table(bed, res, (2, 3), [32, 64], 64)
+    assert len(seen) == 4                                  # RTN and GPTQ at group 32 only
+    at64 = t[t["group size"] == 64].set_index(["method", "bits"])["ppl"]
+    assert at64[("GSQ (as published)", 2)] == 3.0 and at64[("RTN", 3)] == 6.0
+    assert set(t[t["group size"] == 32]["method"]) == {"RTN", "GPTQ"}   # GSQ only where it ran
+    assert t[(t["bits"] == 2) & (t["group size"] == 32)]["bits per weight"].iloc[0] == 2.5
+
+
+def test_grid_rows_lie_on_each_method_s_grid():
+    g = torch.Generator().manual_seed(2)
+    lin = nn.Linear(64, 8, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(8, 64, generator=g))
+    bed = _bed_of(lin, _hessian(64))
+    q = Q.gptq(lin.weight.detach(), bed.H["l"], 2, 32)
+    res = {("gsq", 2): {"info": {"l": {"q": q}}}}
+    rows = X.grid_rows(bed, res, "l", 2, 32, 32, row=1, cols=64)
+    assert torch.equal(rows["fp"], lin.weight.detach()[1])
+    for m in ("rtn", "gptq", "gsq"):
+        w, s = rows[m]
+        lv = w / s.repeat_interleave(32)                   # levels: integers in -2..1
+        assert torch.allclose(lv, lv.round(), atol=1e-4) and lv.min() >= -2 and lv.max() <= 1
+    assert "gsq" not in X.grid_rows(bed, res, "l", 2, 64, 32)   # GSQ only at its own group
+    t = X.group_table(bed, {k: {"ppl": 1.0} for k in [(m, 2) for m in X.METHODS]}, (2,), [32], 32)
+    fig = X.explore_figure(t, rows, 2, 32, 1.0, "l")
+    assert len(fig.axes) == 2

@@ -78,3 +78,29 @@ def test_a_short_training_run_measures_every_torso():
     assert len(steps) >= 1 and all(len(res[k]) == 1 for k in hr.TORSOS)
     assert X.series(res, "wide", "erank").shape == (1, len(steps))
     assert len(res["hadamard"][0]["spectra"]) == len(steps)
+
+
+def _runs(width=16):
+    torch.manual_seed(0)
+    states = torch.randn(64, 4)
+    return {k: [{"torso": hr.Torso(k, "classic", (4,), 3, width), "states": states}]
+            for k in hr.TORSOS}
+
+
+def test_a_gain_on_the_preactivations_recounts_saturation():
+    runs = _runs()
+    with torch.no_grad():                                   # push branch 1 into saturation
+        runs["hadamard"][0]["torso"].rep.branch1.bias += 4.0
+    pre, act = X.preactivations(runs["hadamard"][0])
+    assert set(pre) == {"branch 1", "branch 2"}
+    at1 = X.saturation_at(pre, act, 1.0)
+    ref = X.branch_saturation(runs["hadamard"][0])                          # gain 1: as trained
+    assert list(at1.values()) == pytest.approx([ref[k] for k in ("branch1", "branch2", "product",
+                                                                 "branch1_x_branch2")])
+    assert at1["branch 1"] > 0.5 and at1["product"] <= at1["branch 2"] + 1e-9
+    assert all(v == 0 for v in X.saturation_at(pre, act, 0.0).values())     # tanh(0) = 0
+    t = X.gain_table(runs, [0.0, 1.0, 5.0], 0)
+    assert set(t.series) == {"standard", "wide (param-matched)", "HR branch 1", "HR branch 2",
+                             "HR product", "HR branch 1 x branch 2"}
+    assert len(t) == 3 * 6 and t.saturated.between(0, 1).all()
+    X.gain_figure(t, runs["hadamard"][0], 1.0, 0)

@@ -102,3 +102,27 @@ def test_compare_signs_a_win_of_the_first_run_positive():
     assert math.isclose(out["nll"]["diff"], 0.5) and out["nll"]["low"] > 0   # a: lower NLL
     assert math.isclose(out["acc"]["diff"], 0.5) and out["acc"]["low"] > 0   # a: more correct
     assert X.row_table({"a": {"ppl": 1.0, "nll": rows["a"]["nll"]}}).columns.tolist() == ["ppl"]
+
+
+def test_forward_curve_is_the_relaxed_quantizer_and_its_slope():
+    x = torch.linspace(-2, 2, 41, dtype=torch.float64, requires_grad=True)
+    e, slope = X.forward_curve(x, 0.5, 1.0)
+    ref = M.soft_ternary_closed_form(x, 0.5)
+    assert torch.allclose(e, ref, atol=1e-12)
+    (grad,) = torch.autograd.grad(ref.sum(), x)
+    assert torch.allclose(slope, grad, atol=1e-10)                 # (2/T) Var is the derivative
+    half, s_half = X.forward_curve(x.detach(), 0.5, 0.25)           # compress: a lerp from x
+    assert torch.allclose(half, 0.75 * x.detach() + 0.25 * e.detach())
+    assert torch.allclose(s_half, 0.75 + 0.25 * slope.detach())
+    hard, s_hard = X.forward_curve(torch.tensor([-1.7, -0.2, 0.7]), 0.0, 1.0)
+    assert hard.tolist() == [-1.0, 0.0, 1.0] and s_hard.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_dead_share_runs_from_none_to_all_along_the_schedule():
+    x = torch.randn(2000, generator=torch.Generator().manual_seed(0))
+    s = M.Schedule(steps=20, t0=0.35, compress_ratio=0.2)
+    share = X.dead_share(x, s, range(20))
+    assert share[0] == 0.0 and share[-1] == 1.0                     # fp-ish start, hard end
+    assert share[5] < share[15]                                     # annealing kills the slope
+    fig = X.relaxation_figure(x.reshape(40, 50), s, s, 10, "t")
+    assert len(fig.axes) == 2

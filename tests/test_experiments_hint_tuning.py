@@ -101,3 +101,25 @@ def test_prose_metrics_are_scalars_per_family():
     assert out["c1_share_sparse_hint"] == 0.25 and out["c4_lm_reasoning_parameters"] == 10.0
     assert out["c3_acc_direct"] == 0.0 and "c3_acc_truncate0" not in out
     assert all(isinstance(v, (int, float)) for v in out.values())
+
+
+def test_hint_ladder_follows_each_probe_and_agrees_with_its_state():
+    exs = tasks.generate("add", 4, seed=0, difficulty=2)
+    probes = [ht.Probe([], "1", True, [], True, ht.NO_HINT, 0),
+              ht.Probe(["a", "b", "c"], "2", False, [False, True], True, ht.SPARSE_HINT, 2),
+              ht.Probe(["a", "b"], "3", False, [False], True, ht.FULL_HINT, None),
+              ht.Probe(["a"], "4", False, [], False, ht.FULL_HINT, None)]
+    lad = X.hint_ladder(exs, probes)
+    assert sorted(lad.k.unique()) == [0, 1, 2, 3] and len(lad) == 4 * 4
+    agree = lad.pivot(index="k", columns="n_steps", values="agree")
+    assert agree[0].tolist() == [True] * 4                        # no steps: unaided at every k
+    assert agree[3].tolist() == [False, False, True, True]        # sparse k = 2, full hint at 3
+    assert agree[2].tolist() == [False, False, True, True]        # full hint from k = 2 on
+    assert not lad[lad.n_steps == 1].agree.any()
+    for p, (_, g) in zip(probes, lad.groupby("n_steps", sort=False)):
+        first = g[g.reached].k.min() if g.reached.any() else None  # the probe's least guidance
+        if p.state == ht.NO_HINT:
+            assert first == 0
+        elif p.state == ht.SPARSE_HINT:
+            assert first == p.k
+    assert lad[lad.n_steps == 3].reached.tolist() == [False, False, True, True]

@@ -1,8 +1,10 @@
 """Unit tests of workbench.experiments.inducekv: notebook 01's harness (the stream spec, the C1
-checks on a tiny random Llama, the cached runs' keys, the C3 summary and the C2 footprint)."""
+checks on a tiny random Llama, the cached runs' keys, the C3 summary, the C2 footprint, and the
+explorer's replay of the stream from cached answer scores)."""
 import hashlib
 import json
 
+import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,7 @@ import torch
 from workbench.data import tasks
 from workbench.evaluate import MIDDLE
 from workbench.experiments import inducekv as lab
+from workbench.methods import inducekv as K
 from tiny_models import CharTok, tiny_llama
 
 
@@ -87,3 +90,86 @@ def test_footprint_checks_each_trace_against_the_budget_it_ran_under():
 def test_slug_makes_metric_names():
     assert lab.slug("LoRA, compute-matched (fresh)") == "LoRA_compute_matched_fresh"
     assert lab.slug("MoE of LoRAs") == "MoE_of_LoRAs"
+
+
+def _stream(model, tok, stream=("sort", "sub", "kv"), n_pool=6):
+    prepared, tests = [], {}
+    for f in stream:
+        exs = tasks.generate(f, n_pool + 8, seed=1, difficulty=tasks.get(f).difficulties[0])
+        prepared.append(K.prepare(model, tok, f, exs[:n_pool], exs[n_pool:n_pool + 3]))
+        tests[f] = exs[n_pool + 3:]
+    return prepared, tests
+
+
+@pytest.mark.parametrize("mode", ["bilevel", "likelihood", "random"])
+def test_replay_stream_is_run_stream_from_lookups(tiny, mode):
+    model, tok = tiny
+    prepared, tests = _stream(model, tok)
+    ps = lab.pair_scores(model, tok, prepared, tests, False)
+    assert ps.anchor_lp.shape == (18, 19) and ps.test_lp["kv"].shape == (5, 19)
+    for budget in (3 * prepared[0].cands[0].nbytes, 9 * prepared[0].cands[0].nbytes):
+        qk = {}
+        ref = K.run_stream(model, tok, prepared, tests, budget, mode, 1, calib_steps=5,
+                           seed=3, query_cache=qk)
+        utils = [c.utility for P in prepared for c in P.cands]
+        out = lab.replay_stream(ps, prepared, qk, budget, mode, seed=3, calib_steps=5)
+        assert [c.utility for P in prepared for c in P.cands] == utils     # copies, not these
+        np.testing.assert_array_equal(out["acc"], ref["acc"])
+        np.testing.assert_array_equal(out["hit"], ref["hit"])
+        assert out["trace"] == ref["trace"]
+        last = out["made"][out["made"].after == 2].set_index("task")["entries"].to_dict()
+        assert last == ref["entries_per_task"] and out["memory"].nbytes <= budget
+        # the gain: the retrieved entry's answer log-likelihood over none, as the backbone says
+        assert np.isnan(out["gain"][0, 1]) and np.isfinite(out["gain"][2]).all()
+        mem = out["memory"]
+        for j, P in enumerate(prepared):
+            got = K.retrieve(mem.entries, qk[P.task], 1, mem.calib)
+            lp = K.answer_scores(model, tok, tests[P.task], got)[0]
+            base = K.answer_scores(model, tok, tests[P.task])[0]
+            assert out["gain"][2, j] == pytest.approx((lp - base).mean(), abs=1e-4)
+
+
+def test_pair_scores_are_cached_by_the_backbone_and_the_texts(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))
+    model, tok = tiny
+    prepared, tests = _stream(model, tok, ("sort", "sub"), n_pool=3)
+    fresh = lab.pair_scores(model, tok, prepared, tests, False)
+    first = lab.pair_scores(model, tok, prepared, tests, False, backbone="h1")
+    other = lab.pair_scores(model, tok, prepared, tests, False, backbone="h2")
+    assert len([p for p in (tmp_path / "zoo" / "inducekv").glob("pairs-*") if p.is_dir()]) == 2
+
+    def boom(*a, **k):
+        raise AssertionError("scored again instead of read from the cache")
+    monkeypatch.setattr(lab.K, "answer_scores", boom)
+    again = lab.pair_scores(model, tok, prepared, tests, False, backbone="h1")
+    for ps in (first, again, other):
+        np.testing.assert_array_equal(ps.anchor_lp, fresh.anchor_lp)
+        assert set(ps.test_lp) == {"sort", "sub"} and ps.cands == fresh.cands
+        np.testing.assert_array_equal(ps.test_exact["sub"], fresh.test_exact["sub"])
+
+
+def test_stream_figure_stacks_the_memory_per_task(tiny):
+    model, tok = tiny
+    prepared, tests = _stream(model, tok, ("sort", "sub"), n_pool=4)
+    ps = lab.pair_scores(model, tok, prepared, tests, False)
+    qk = {P.task: K.query_keys(model, tok, tests[P.task]) for P in prepared}
+    budget = 4 * prepared[0].cands[0].nbytes
+    out = lab.replay_stream(ps, prepared, qk, budget, calib_steps=2)
+    fig = lab.stream_figure(out, ["sort", "sub"], budget, "bilevel")
+    heights = [p.get_height() for p in fig.axes[0].patches]         # task by task, then stage
+    made = out["made"]
+    want = [b / 1024 for t in ("sort", "sub")
+            for b in made[made.task == t].sort_values("after").bytes]
+    assert heights == pytest.approx(want) and sum(want) > 0
+    assert len(fig.axes[1].get_lines()) == 2 + 1                   # a task each, the zero line
+    plt.close(fig)
+
+
+def test_replay_of_a_budget_below_one_entry_keeps_nothing_and_gains_nothing(tiny):
+    model, tok = tiny
+    prepared, tests = _stream(model, tok, ("sort", "sub"), n_pool=3)
+    ps = lab.pair_scores(model, tok, prepared, tests, False)
+    qk = {P.task: K.query_keys(model, tok, tests[P.task]) for P in prepared}
+    out = lab.replay_stream(ps, prepared, qk, 100, calib_steps=2)
+    assert out["memory"].entries == [] and (out["made"].bytes == 0).all()
+    assert np.nanmax(np.abs(out["gain"])) == 0 and np.nanmax(out["hit"]) == 0

@@ -73,3 +73,18 @@ def test_difficulty_correlations_see_a_planted_proxy():
     assert abs(r["unperturbed"]["rho"]) < 0.3
     assert r["few"]["rho"] > 0.99                               # the steepest rise scales with level
     assert set(r["within"]) == {"a", "b", "x", "y"}
+
+
+def test_sigma_correlations_find_the_scale_that_reads_difficulty():
+    g = np.random.default_rng(0)
+    level = np.repeat(np.linspace(0, 1, 5), 8)
+    scales = [0.0, 0.1, 0.2, 0.3, 0.4]
+    sig = g.normal(1.0, 0.01, (len(level), 2, len(scales)))
+    sig[:, :, 3] += 2 * level[:, None]                        # only sigma = 0.3 knows the level
+    t = ex.sigma_correlations(sig, level, scales)
+    assert list(t.sigma) == scales and t.loc[t["spearman at sigma"].idxmax(), "sigma"] == 0.3
+    assert t["spearman at sigma"].iloc[3] > 0.9 and abs(t["spearman at sigma"].iloc[0]) < 0.5
+    assert abs(t["share of inflection points"].sum() - 1) < 1e-12
+    stars = [ls.inflection(scales, c)[0] for c in sig.mean(1)]        # each in its interval
+    assert t["share of inflection points"].iloc[1] == np.mean([0.1 <= v < 0.2 for v in stars])
+    assert t["spearman, inflection loss"].nunique() == 1

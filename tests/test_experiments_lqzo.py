@@ -120,3 +120,17 @@ def test_width_losses_score_the_rtn_model_at_each_width():
     with torch.no_grad():
         at2 = float(ex.lm_loss(M.quantize(model, 2, 32)[0], d["held"]))
     assert list(w) == [4, 2] and w[2] == pytest.approx(at2)
+
+
+def test_rank_view_reads_the_spectrum_and_scores_both_laws_on_the_same_draws():
+    g = torch.outer(torch.arange(1.0, 9.0), torch.ones(4))          # rank one, 8 x 4
+    p = M.Perturbation("bag", 2, True)
+    v = ex.rank_view(g, p, n=256, seed=0)
+    assert v["D"] == 32 and np.isclose(v["energy"][0], 1.0) and len(v["energy"]) == 4
+    assert len(v["energy_reshaped"]) == min(M.near_square(32)) and np.isclose(v["energy"][-1], 1)
+    assert v["law"] == ex.linearized_quality([g.double()], p, 256, 0)
+    assert v["qzo"] == ex.linearized_quality([g.double()], M.Perturbation("gaussian"), 256, 0)
+    d_cos2 = 32 * np.mean(np.square(v["qzo"]["cos"]))
+    assert 0.7 < d_cos2 < 1.3                                       # E[cos^2] = 1/D
+    fig = ex.rank_figure(v, p, "0.q_proj")
+    assert len(fig.axes) == 2

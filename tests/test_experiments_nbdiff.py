@@ -109,3 +109,27 @@ def test_sample_figure_draws_the_block_mask_over_prompt_and_output():
     assert "2 forward passes" in ax.get_title() and "0.25" in ax.get_title()
     assert "wrong" in strip.get_title()
     plt.close(fig)
+
+
+def _tok(pad, eos):
+    from types import SimpleNamespace
+    return SimpleNamespace(pad_token_id=pad, eos_token_id=eos)
+
+
+def test_block_size_one_reference_decoder_equals_cached_generate():
+    from workbench.methods import nbdiff as nd
+    m, prompts = tiny(), [[1, 5, 7, 9, 3], [1, 4, 8]]
+    free = lambda out: [t for t in range(2, 40) if t not in out.flatten().tolist()]  # noqa: E731
+    ar = xp.ar_generate(m, _tok(0, 38), prompts, 8)
+    mask_id, eos = free(ar)[:2]                       # ids greedy decoding never picks here
+    ar = xp.ar_generate(m, _tok(0, eos), prompts, 8)
+    out, passes = nd.decode_threshold(m, prompts, 8, 1, mask_id, pad_id=0)
+    assert ar.shape == (2, 8) and torch.equal(out, ar.cpu()) and passes == 8
+
+
+def test_speed_compare_rows():
+    m = tiny()
+    t = xp.speed_compare(m, m, _tok(0, 38), [[1, 5, 7], [1, 4]], 8, 4, 39, repeats=3)
+    assert list(t.columns) == ["ar_tokens_per_s", "diffusion_tokens_per_s", "ratio"] and len(t) == 3
+    assert (t > 0).all().all()
+    assert ((t.ratio - t.diffusion_tokens_per_s / t.ar_tokens_per_s).abs() < 1e-9).all()

@@ -90,7 +90,8 @@ def test_pattern_classifier_trains_like_the_notebook_and_decay_changes_it():
 
 def test_ablation_sweep_starts_intact_and_cutting_every_component_leaves_no_memory():
     task = _task()
-    m = ra.PatternRNN(task.vocab_size, 8, 4, task.n_classes, generator=torch.Generator().manual_seed(0))
+    m = ra.PatternRNN(task.vocab_size, 8, 4, task.n_classes,
+                      generator=torch.Generator().manual_seed(0))
     seqs = task.sample(400, "novel", torch.Generator().manual_seed(1))
     trans = seqs["transitions"].numpy()
     t = xp.ablation_sweep(m, seqs["tokens"], m.w_hh.detach(), trans, seqs["label"], seed=0,

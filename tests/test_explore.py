@@ -33,7 +33,12 @@ def test_static_fallback_draws_the_default_state_once(capsys, shown):
     assert len(shown) == 1 and isinstance(shown[0], plt.Figure)
     text = capsys.readouterr().out
     assert "default (bits=2, mode=rtn, tail=1.0, show=True)" in text
-    assert "bits {2, 3, 4}; mode {rtn, gptq}; tail 1.0..3.0 in steps of 0.5; show on or off" in text
+    assert "bits {2, 3, 4}; mode {'rtn', 'gptq'}; tail 1.0..3.0 in steps of 0.5; show on or off" \
+        in text
+    E.explore(draw, sigma=E.choice_([0.0, 0.1, 0.5], 0.1),
+              family=E.choice_(["add", "sub, mul"], "sub, mul"))
+    assert calls[-1] == {"sigma": 0.1, "family": "sub, mul"}
+    assert "family {'add', 'sub, mul'}" in capsys.readouterr().out
 
 
 def test_live_controls_redraw_when_moved(monkeypatch):
@@ -56,6 +61,8 @@ def test_live_controls_redraw_when_moved(monkeypatch):
     assert type(slider).__name__ == "IntSlider" and slider.value == 4
     slider.value = 6
     assert calls[-1] == {"block": 6} and isinstance(calls[-1]["block"], int)
+    E.explore(draw, sigma=E.choice_([0.0, 0.1, 0.5], 0.1))
+    assert boxes[-1].children[0].children[0].value == 0.1 and calls[-1] == {"sigma": 0.1}
 
 
 def test_bad_knobs_are_refused_with_what_to_give():
@@ -68,6 +75,8 @@ def test_bad_knobs_are_refused_with_what_to_give():
         E.explore(draw, bits={2, 3})
     with pytest.raises(ValueError, match="outside"):
         E.range_(0.0, 1.0, 0.1, 2.0)
+    with pytest.raises(ValueError, match="not one of"):
+        E.choice_([1, 2], 3)
 
 
 def test_explore_table_picks_rows_by_the_knobs(shown):

@@ -3,6 +3,7 @@ matching. Each test states a property the paper relies on and would fail if the 
 import pytest
 import torch
 
+from workbench.experiments.frechet import mlp_forward
 from workbench.methods import frechet as fr
 
 
@@ -111,9 +112,9 @@ def test_mlp_fisher_matches_per_sample_autograd():
         for sh in shapes:
             parts.append(th[i: i + sh.numel()].view(sh))
             i += sh.numel()
-        return torch.log_softmax(_forward(list(zip(parts[::2], parts[1::2])), xi[None]), -1)[0, c]
+        return torch.log_softmax(mlp_forward(list(zip(parts[::2], parts[1::2])), xi[None]), -1)[0, c]
 
-    p = torch.softmax(_forward(layers, x), -1)
+    p = torch.softmax(mlp_forward(layers, x), -1)
     ref = sum((p[:, c:c + 1] * vmap(grad(logp), (None, 0, None))(theta, x, c) ** 2).mean(0)
               for c in range(3))
     assert torch.allclose(fr.mlp_diag_fisher(layers, x), ref, atol=1e-12)
@@ -124,20 +125,12 @@ def _mlp(gen, sizes=(5, 7, 6, 3)):
              torch.randn(o, generator=gen, dtype=torch.float64)) for i, o in zip(sizes, sizes[1:])]
 
 
-def _forward(layers, x):
-    for i, (w, b) in enumerate(layers):
-        x = x @ w.T + b
-        if i < len(layers) - 1:
-            x = torch.relu(x)
-    return x
-
-
 def test_weight_matching_recovers_a_hidden_permutation(gen):
     ref = _mlp(gen)
     perms = [torch.randperm(7, generator=gen).numpy(), torch.randperm(6, generator=gen).numpy()]
     other = fr.permute_mlp(ref, perms)
     x = torch.randn(20, 5, generator=gen, dtype=torch.float64)
-    assert torch.allclose(_forward(ref, x), _forward(other, x))       # same function
+    assert torch.allclose(mlp_forward(ref, x), mlp_forward(other, x))       # same function
     found = fr.weight_matching(ref, other)
     back = fr.permute_mlp(other, found)
     for (w1, b1), (w2, b2) in zip(ref, back):

@@ -131,3 +131,37 @@ def test_apply_fura_freezes_the_rest_and_keeps_the_function():
     full = Tiny()
     fura.full_finetune(full, ("q_proj",))
     assert {n for n, p in full.named_parameters() if p.requires_grad} == {"q_proj.weight"}
+
+
+def test_o_proj_blocks_follow_the_heads_as_the_reference_script():
+    """``--blocktt_factorize_by_head`` (on by default in the reference's scripts): o_proj's input
+    in (num_heads, head_dim) blocks, every other projection in the closest factor pair. At
+    lm-base's width 128 with 4 heads: o_proj (4, 32), the others (8, 16)."""
+    from types import SimpleNamespace
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = SimpleNamespace(num_attention_heads=4)
+            for p in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                setattr(self, p, nn.Linear(128, 128, bias=False))
+            self.up_proj = nn.Linear(128, 384, bias=False)
+            self.down_proj = nn.Linear(384, 128, bias=False)
+
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj")
+    shapes = {}
+    for by_head in (True, False):
+        torch.manual_seed(0)
+        m = Attn()
+        fura.apply_fura(m, targets, by_head=by_head)
+        shapes[by_head] = {p: (getattr(m, p).n, getattr(m, p).b) for p in targets}
+    assert shapes[True]["o_proj"] == (4, 32)
+    assert shapes[False]["o_proj"] == (8, 16)
+    for p in ("q_proj", "k_proj", "v_proj", "up_proj"):
+        assert shapes[True][p] == shapes[False][p] == (8, 16)
+    assert shapes[True]["down_proj"] == shapes[False]["down_proj"] == (16, 24)
+    assert fura.head_block_count("model.layers.0.self_attn.o_proj", 128, 4) == 4
+    assert fura.head_block_count("model.layers.0.self_attn.o_proj", 128, 4, by_head=False) == 8
+    assert fura.head_block_count("model.layers.0.self_attn.q_proj", 128, 4) == 8
+    with pytest.raises(ValueError):
+        fura.head_block_count("o_proj", 130, 4)

@@ -110,3 +110,55 @@ def test_noise_rate_follows_t():
     xt, masked, p = nd.noise(x0, ids, torch.ones_like(x0, dtype=torch.bool), 5, g)
     assert torch.all(p[:, :1] == p)                     # one t per block
     assert abs(float(masked.float().mean()) - 0.5) < 0.02 and torch.all(xt[masked] == 5)
+
+
+# -- the reference decoder (YuchuanTian/NBDiff generation_utils.py, diffusion_generate) ---------
+
+def test_threshold_commit_top_token_plus_every_one_above_threshold():
+    conf = torch.tensor([[0.50, 0.95, 0.30, 0.91], [0.20, 0.40, 0.99, 0.10], [0.3, 0.6, 0.2, 0.5]])
+    still = torch.tensor([[True, True, True, True], [True, True, False, True],
+                          [True, False, True, True]])
+    got = nd.threshold_commit(conf, still, 0.9)
+    want = torch.tensor([[False, True, False, True],     # both above 0.9 (the top among them)
+                         [False, True, False, False],    # 0.99 is committed already: top = 0.40
+                         [False, False, False, True]])   # none above: the top masked one only
+    assert torch.equal(got, want)
+    assert torch.equal(nd.threshold_commit(conf, still, 0.0), still)   # threshold 0: all at once
+
+
+def _prompts():
+    return [[1, 5, 7, 9, 3], [1, 4, 8], [1, 6, 6, 2, 11, 12]]     # ragged: left-padded
+
+
+@pytest.mark.parametrize("size", [1, 3, 4])
+def test_decode_with_cache_equals_without(size):
+    m = tiny()
+    a, pa = nd.decode_threshold(m, _prompts(), 10, size, mask_id=39, threshold=0.05, use_cache=True)
+    b, pb = nd.decode_threshold(m, _prompts(), 10, size, mask_id=39, threshold=0.05, use_cache=False)
+    assert torch.equal(a, b) and pa == pb
+    assert not (a == 39).any()
+
+
+def test_block_first_token_is_the_causal_prediction():
+    m = tiny()
+    prompts, size, L = _prompts(), 4, 6
+    out, _ = nd.decode_threshold(m, prompts, 12, size, mask_id=39, threshold=0.5)
+    for b, p in enumerate(prompts):
+        seq = torch.tensor([p + out[b].tolist()])
+        with torch.no_grad():
+            logits = m(input_ids=seq).logits[0]                  # plain causal forward
+        logits[:, 39] = -float("inf")
+        for s in range(0, 12, size):                             # each block's first token
+            assert out[b, s] == logits[len(p) + s - 1].argmax()
+
+
+def test_block_size_one_decoding_is_greedy_ar():
+    m = tiny()
+    out, passes = nd.decode_threshold(m, [[1, 5, 7]], 6, 1, mask_id=39)
+    seq = [1, 5, 7]
+    with torch.no_grad():
+        for _ in range(6):
+            lg = m(input_ids=torch.tensor([seq])).logits[0, -1]
+            lg[39] = -float("inf")
+            seq.append(int(lg.argmax()))
+    assert out[0].tolist() == seq[3:] and passes == 6

@@ -53,11 +53,11 @@ def test_curves_saves_the_static_figure_into_the_run(tmp_path):
     class FakeRun:
         saved = []
 
-        def savefig(self, fig, name):
-            self.saved.append((fig, name))
+        def savefig(self, fig, name, twin=True):
+            self.saved.append((fig, name, twin))
     run = FakeRun()
     fig = plots.curves({"a": np.ones(5)}, x=X, title="T", xlabel="x", ylabel="y", run=run, name="c")
-    assert run.saved == [(fig, "c")]
+    assert run.saved == [(fig, "c", False)]        # curves shows its own plotly figure
 
 
 def test_curves_shows_plotly_only_when_interactive(monkeypatch):
@@ -76,3 +76,58 @@ def test_curves_shows_plotly_only_when_interactive(monkeypatch):
     np.testing.assert_allclose(named[0].y, [0.5] * 5)
     assert sum(t.fill == "tonexty" for t in pfig.data) == 1       # one band, for the runs
     assert pfig.layout.title.text == "T"
+
+
+def test_plotly_twin_redraws_lines_and_points_and_refuses_what_it_cannot_carry():
+    import matplotlib.pyplot as plt
+    from workbench import plots
+    fig, (a, b) = plt.subplots(1, 2)
+    a.plot([1, 10, 100], [3, 2, 1], "o--", color="#1f5a96", label="adam")
+    a.plot([1, 10, 100], [2, 2, 2], label="_hidden")
+    a.set(xscale="log", xlabel="lr", ylabel="loss", title="sweep")
+    b.scatter([0.1, 0.2], [5, 6], color="#d1495b", label="runs")
+    twin = plots.plotly_twin(fig)
+    names = [t.name for t in twin.data]
+    assert names == ["adam", "", "runs"] and [t.showlegend for t in twin.data] == [True, False, True]
+    assert twin.data[0].mode == "lines+markers" and twin.data[0].line.dash == "dash"
+    assert list(twin.data[0].x) == [1, 10, 100] and twin.data[0].line.color == "#1f5a96"
+    assert twin.layout.xaxis.type == "log" and twin.layout.xaxis.title.text == "lr"
+    assert twin.data[2].xaxis == "x2" and list(twin.data[2].y) == [5, 6]
+    plt.close(fig)
+    # bars, a band and an image come along; a mesh or a free span does not (no twin)
+    fig, (a, b) = plt.subplots(1, 2)
+    a.bar([1, 2], [3, 4], width=0.5, label="acc")
+    a.fill_between([1, 2], [0, 0], [1, 1], alpha=0.2, label="_band")
+    b.imshow(np.arange(6).reshape(2, 3))
+    twin = plots.plotly_twin(fig)
+    kinds = sorted(type(t).__name__ for t in twin.data)
+    assert kinds == ["Bar", "Heatmap", "Scatter"]
+    bar = [t for t in twin.data if type(t).__name__ == "Bar"][0]
+    assert list(bar.x) == [1, 2] and list(bar.y) == [3, 4] and bar.name == "acc"
+    assert twin.layout.yaxis2.autorange == "reversed"
+    plt.close(fig)
+    for draw in (lambda ax: ax.pcolormesh(np.ones((2, 2))), lambda ax: ax.axvspan(0, 1)):
+        fig, ax = plt.subplots()
+        ax.plot([1, 2], [1, 2])
+        draw(ax)
+        assert plots.plotly_twin(fig) is None       # a twin would leave the mesh or span out
+        plt.close(fig)
+
+
+def test_savefig_shows_the_twin_only_in_a_live_session(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+    from workbench import plots, runtime
+    shown = []
+    monkeypatch.setattr(plots, "display", shown.append)
+    run = runtime.Run.__new__(runtime.Run)
+    run.out_dir, run.figures = tmp_path, []
+    (tmp_path / "figures").mkdir()
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0], label="x")
+    run.savefig(fig, "a")                            # not live: the png alone
+    assert shown == [] and (tmp_path / "figures" / "a.png").exists()
+    monkeypatch.setattr(runtime, "interactive", lambda: True)
+    monkeypatch.setattr(plots, "interactive", lambda: True)
+    run.savefig(fig, "b")
+    assert len(shown) == 1 and shown[0].data[0].name == "x"
+    plt.close(fig)

@@ -29,6 +29,9 @@ def test_new_writes_a_notebook_that_runs(tmp_path):
     (finish,) = [c for c in executed["cells"] if "run.finish()" in "".join(c["source"])]
     last = finish["outputs"][-1]
     assert "text/html" in last["data"] and "text/plain" in last["data"]   # the verdict table
+    (explorer,) = [c for c in executed["cells"] if "explore" in c["metadata"].get("tags", [])]
+    assert "Explorer, drawn at its default (bins=30)" in "".join(explorer["outputs"][0]["text"])
+    assert any("image/png" in o.get("data", {}) for o in explorer["outputs"])   # static picture
     (shown,) = [c for c in executed["cells"] if "results" in c["metadata"].get("tags", [])]
     # What we saw: Markdown rendered from the (not yet recorded) results, no stray repr
     assert [o["output_type"] for o in shown["outputs"]] == ["display_data", "display_data"]

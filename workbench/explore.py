@@ -4,11 +4,10 @@ A notebook declares what to vary and how to draw one state; this module builds t
 :func:`explore` takes ``draw(**values) -> figure`` (matplotlib or plotly) and one control per
 knob, declared by its values:
 
-- a list or tuple of choices: a dropdown (strings) or a selection slider (numbers);
+- a list or tuple of choices: a dropdown (strings) or a selection slider (numbers), the first
+  the default; ``choice_(options, value)`` starts at another;
 - ``range_(low, high, step)``: a slider (whole numbers when all three are ints);
-- a bool: a checkbox.
-
-The first choice (or ``range_``'s ``value``) is the default. In a live Jupyter session
+- a bool: a checkbox. In a live Jupyter session
 (:func:`workbench.env.interactive`) the controls appear above the picture and every move redraws
 it: a draw should take under a second on two cores, so it reads cached results or recomputes
 something cheap. Under papermill, nbval and CI (and in a plain script) nothing interactive is
@@ -20,6 +19,7 @@ draw ``y`` against ``x``, one line per ``by`` value.
 """
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,12 +27,12 @@ import ipywidgets as widgets
 import matplotlib.pyplot as plt
 import pandas as pd
 import plotly.graph_objects as go
-from IPython.display import display
+from IPython.display import Image, display
 
 from . import plots
 from .env import interactive
 
-__all__ = ["range_", "explore", "explore_table", "defaults"]
+__all__ = ["range_", "choice_", "explore", "explore_table", "defaults"]
 
 
 @dataclass(frozen=True)
@@ -51,12 +51,24 @@ class range_:          # noqa: N801 - reads like a declaration: range_(0.0, 1.0,
             raise ValueError(f"range_ value {v} lies outside [{self.low}, {self.high}]")
 
 
+@dataclass(frozen=True)
+class choice_:         # noqa: N801 - a declaration like range_
+    """Choices with a default other than the first: ``choice_([0.0, 0.1, 0.5], 0.1)``."""
+    options: tuple
+    value: object
+
+    def __post_init__(self):
+        object.__setattr__(self, "options", tuple(self.options))
+        if self.value not in self.options:
+            raise ValueError(f"choice_ value {self.value!r} is not one of {list(self.options)}")
+
+
 def _check(name: str, spec) -> None:
     if isinstance(spec, (list, tuple)) and len(spec) == 0:
         raise ValueError(f"knob {name!r} has no values to choose from")
-    if not isinstance(spec, (list, tuple, range_, bool)):
-        raise TypeError(f"knob {name!r}: give a list of choices, range_(low, high, step) or a "
-                        f"bool, not {type(spec).__name__}")
+    if not isinstance(spec, (list, tuple, range_, choice_, bool)):
+        raise TypeError(f"knob {name!r}: give a list of choices, choice_(options, value), "
+                        f"range_(low, high, step) or a bool, not {type(spec).__name__}")
 
 
 def defaults(knobs: dict) -> dict:
@@ -64,7 +76,8 @@ def defaults(knobs: dict) -> dict:
     for name, spec in knobs.items():
         _check(name, spec)
     return {n: (s.low if s.value is None else s.value) if isinstance(s, range_)
-            else s if isinstance(s, bool) else s[0] for n, s in knobs.items()}
+            else s.value if isinstance(s, choice_) else s if isinstance(s, bool) else s[0]
+            for n, s in knobs.items()}
 
 
 def _control(name: str, spec):
@@ -75,18 +88,23 @@ def _control(name: str, spec):
         slider = widgets.IntSlider if whole else widgets.FloatSlider   # a block size stays an int
         return slider(value=defaults({name: spec})[name], min=spec.low, max=spec.high,
                       step=spec.step, description=name, continuous_update=False)
-    if all(isinstance(v, str) for v in spec):
-        return widgets.Dropdown(options=list(spec), value=spec[0], description=name)
-    return widgets.SelectionSlider(options=list(spec), value=spec[0], description=name,
+    options, value = (spec.options, spec.value) if isinstance(spec, choice_) else (spec, spec[0])
+    if all(isinstance(v, str) for v in options):
+        return widgets.Dropdown(options=list(options), value=value, description=name)
+    return widgets.SelectionSlider(options=list(options), value=value, description=name,
                                    continuous_update=False)
 
 
 def _show(fig) -> None:
-    """Display a matplotlib or plotly figure once (a matplotlib one is closed after, so a live
-    session does not draw it twice)."""
-    display(fig)
+    """Display a matplotlib figure as a PNG (whatever the backend: under nbval's Agg a figure
+    object would show as its repr) and close it, so nothing draws it twice; a plotly one as is."""
     if isinstance(fig, plt.Figure):
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
         plt.close(fig)
+        display(Image(data=buf.getvalue()))
+    else:
+        display(fig)
 
 
 def _offer(spec) -> str:
@@ -95,7 +113,8 @@ def _offer(spec) -> str:
         return "on or off"
     if isinstance(spec, range_):
         return f"{spec.low}..{spec.high} in steps of {spec.step}"
-    return "{" + ", ".join(map(str, spec)) + "}"
+    options = spec.options if isinstance(spec, choice_) else spec
+    return "{" + ", ".join(repr(v) if isinstance(v, str) else str(v) for v in options) + "}"
 
 
 def explore(draw: Callable[..., object], **knobs) -> None:
@@ -143,7 +162,8 @@ def explore_table(table: pd.DataFrame, x: str, y: str, knobs: list[str], by: str
     name) against ``x`` for the rows that match, one line per ``by`` value."""
     missing = [c for c in [x, y, *knobs, *([by] if by else [])] if c not in table.columns]
     if missing:
-        raise KeyError(f"explore_table: no column(s) {missing}; the table has {list(table.columns)}")
+        raise KeyError(f"explore_table: no column(s) {missing}; the table has "
+                       f"{list(table.columns)}")
 
     def draw(**values):
         rows = table

@@ -1,7 +1,9 @@
 """House plot style and small plotting helpers. Nothing is set on import: call :func:`style`.
 
 :func:`curves` draws named series (with seed bands) as plotly in a live session and matplotlib
-always, the static picture papermill and the HTML report keep.
+always, the static picture papermill and the HTML report keep. :func:`plotly_twin` redraws a
+matplotlib figure of lines and points as plotly (hover, zoom, toggle series), so that a live
+session gets an interactive twin of every main figure a notebook saves (``run.savefig``).
 """
 from __future__ import annotations
 
@@ -10,12 +12,16 @@ import matplotlib.pyplot as plt
 import numpy as np
 import plotly.graph_objects as go
 from cycler import cycler
+from matplotlib.collections import PathCollection, PolyCollection
+from matplotlib.container import BarContainer
+from matplotlib.colors import to_hex
 from IPython.display import display
 from plotly.subplots import make_subplots
 
 from .env import in_ipython, interactive
 
-__all__ = ["PALETTE", "style", "subplots", "band", "mark_points", "curves"]
+__all__ = ["PALETTE", "style", "subplots", "band", "mark_points", "curves", "plotly_twin",
+           "show_twin"]
 
 PALETTE = ["#1f5a96", "#d1495b", "#2e933c", "#edae49", "#6c4f9c", "#00798c", "#8d6a4f"]
 
@@ -134,7 +140,7 @@ def curves(data, x=None, *, title: str, xlabel: str, ylabel, logy: bool = False,
     if n > 1:
         fig.suptitle(title)
     if run is not None and name:
-        run.savefig(fig, name)
+        run.savefig(fig, name, twin=False)     # the plotly figure below is its twin
     if interactive():
         display(_plotly_curves(parsed, title, xlabel, ylabels, logy, cols, rows))
         plt.close(fig)                 # the live session shows the plotly figure, not both
@@ -172,3 +178,115 @@ def _plotly_curves(parsed: dict, title: str, xlabel: str, ylabels: dict, logy: b
 def _rgba(hex_color: str, alpha: float) -> str:
     h = hex_color.lstrip("#")
     return f"rgba({int(h[0:2], 16)},{int(h[2:4], 16)},{int(h[4:6], 16)},{alpha})"
+
+
+_DASH = {"-": "solid", "--": "dash", ":": "dot", "-.": "dashdot"}
+
+
+def _bar_patches(ax) -> set:
+    return {id(b) for c in ax.containers if isinstance(c, BarContainer) for b in c}
+
+
+def _axes_drawable(ax) -> bool:
+    """Whether plotly can redraw ``ax`` faithfully: lines, scatter points, bars, filled bands
+    and images; anything else (a mesh, a free patch such as a span) would be left out."""
+    bars = _bar_patches(ax)
+    return all(id(p) in bars for p in ax.patches) and all(
+        isinstance(c, (PathCollection, PolyCollection)) for c in ax.collections)
+
+
+def _label(artist) -> tuple[str, bool]:
+    """A trace's name and whether it shows in the legend (matplotlib hides ``_`` labels)."""
+    label = str(artist.get_label())
+    return ("", False) if label.startswith("_") else (label, True)
+
+
+def _band_trace(coll):
+    """A ``fill_between`` band as a filled outline."""
+    name, show = _label(coll)
+    xs, ys = [], []
+    for path in coll.get_paths():
+        v = path.vertices
+        xs += list(v[:, 0]) + [None]
+        ys += list(v[:, 1]) + [None]
+    rgba = coll.get_facecolor()[0] if len(coll.get_facecolor()) else (0.5, 0.5, 0.5, 0.2)
+    return go.Scatter(x=xs, y=ys, fill="toself", mode="none", name=name, showlegend=show,
+                      hoverinfo="skip", fillcolor=_rgba(to_hex(rgba), float(rgba[3])))
+
+
+def _bar_trace(container):
+    name, show = _label(container)
+    bars = list(container)
+    color = to_hex(bars[0].get_facecolor()) if bars else None
+    return go.Bar(x=[b.get_x() + b.get_width() / 2 for b in bars],
+                  y=[b.get_height() for b in bars], width=[b.get_width() for b in bars],
+                  name=name, showlegend=show, marker=dict(color=color))
+
+
+def _image_trace(im):
+    z = np.asarray(im.get_array())
+    x0, x1, y0, y1 = im.get_extent()
+    n_rows, n_cols = z.shape[:2]
+    return go.Heatmap(z=z, colorscale="Viridis", showscale=False,
+                      x=list(np.linspace(x0, x1, n_cols, endpoint=False) + (x1 - x0) / n_cols / 2),
+                      y=list(np.linspace(y1, y0, n_rows, endpoint=False) + (y0 - y1) / n_rows / 2))
+
+
+def _line_trace(ln):
+    style = ln.get_linestyle()
+    marker = ln.get_marker() not in (None, "None", "", " ")
+    mode = "+".join(m for m, on in (("lines", style not in ("None", "", " ")),
+                                    ("markers", marker)) if on) or "lines"
+    name, show = _label(ln)
+    return go.Scatter(x=list(ln.get_xdata()), y=list(ln.get_ydata()), mode=mode, name=name,
+                      showlegend=show,
+                      line=dict(color=to_hex(ln.get_color()), dash=_DASH.get(style, "solid")))
+
+
+def _scatter_trace(coll):
+    xy = coll.get_offsets()
+    name, show = _label(coll)
+    colors = coll.get_facecolors()
+    return go.Scatter(x=list(xy[:, 0]), y=list(xy[:, 1]), mode="markers", name=name,
+                      showlegend=show,
+                      marker=dict(color=to_hex(colors[0]) if len(colors) else None))
+
+
+def plotly_twin(fig):
+    """A plotly figure redrawing the matplotlib ``fig``'s lines, scatter points, bars, bands and
+    images with axis labels, log scales and titles, one subplot per visible axes at its grid
+    place (colour bars left out); ``None`` when an axes holds anything else (a mesh, a span), so
+    a twin never silently leaves a part out."""
+    axes = [ax for ax in fig.axes if ax.get_visible() and ax.get_subplotspec() is not None
+            and not hasattr(ax, "_colorbar")]
+    if not axes or not all(_axes_drawable(ax) for ax in axes):
+        return None
+    rows, cols = axes[0].get_subplotspec().get_geometry()[:2]
+    twin = make_subplots(rows=rows, cols=cols,
+                         subplot_titles=[ax.get_title() for ax in axes] if rows * cols > 1 else None)
+    for ax in axes:
+        spec = ax.get_subplotspec()
+        r, c = spec.rowspan.start + 1, spec.colspan.start + 1
+        traces = [_image_trace(im) for im in ax.images]
+        traces += [_band_trace(cl) if isinstance(cl, PolyCollection) else _scatter_trace(cl)
+                   for cl in ax.collections]
+        traces += [_bar_trace(b) for b in ax.containers if isinstance(b, BarContainer)]
+        traces += [_line_trace(ln) for ln in ax.get_lines()]
+        for t in traces:
+            twin.add_trace(t, row=r, col=c)
+        if ax.images and ax.images[0].origin == "upper":
+            twin.update_yaxes(autorange="reversed", row=r, col=c)
+        twin.update_xaxes(title_text=ax.get_xlabel(), row=r, col=c,
+                          type="log" if ax.get_xscale() == "log" else None)
+        twin.update_yaxes(title_text=ax.get_ylabel(), row=r, col=c,
+                          type="log" if ax.get_yscale() == "log" else None)
+    title = fig.get_suptitle() or (axes[0].get_title() if len(axes) == 1 else "")
+    return twin.update_layout(title=title, template="plotly_white", height=320 * rows + 60)
+
+
+def show_twin(fig) -> bool:
+    """Display :func:`plotly_twin` of ``fig`` in a live session; whether there was one."""
+    twin = plotly_twin(fig) if interactive() else None
+    if twin is not None:
+        display(twin)
+    return twin is not None

@@ -26,7 +26,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from . import cache
-from .env import in_ipython, project_root, strict_mode
+from .env import in_ipython, interactive, project_root, strict_mode
 from .notebooks import NotebookError, notebooks_dir, parameters
 
 SCALES = ("smoke", "full")
@@ -245,8 +245,11 @@ class Run:
         print(f"[{id}{' robust' if robust else ''}] {mark}: {text}")
         return c
 
-    def savefig(self, fig, name: str, **kwargs) -> None:
-        """Save a matplotlib (png) or plotly (html) figure as ``figures/<name>``.
+    def savefig(self, fig, name: str, twin: bool = True, **kwargs) -> None:
+        """Save a matplotlib (png) or plotly (html) figure as ``figures/<name>``; in a live
+        session a matplotlib figure of lines and points is also shown as its plotly twin
+        (``plots.plotly_twin``: hover, zoom, toggle series; ``twin=False`` when the caller shows
+        its own, as ``plots.curves`` does).
 
         Returns nothing, so that a cell ending in it shows the figure and no path.
         """
@@ -262,6 +265,9 @@ class Run:
             raise TypeError(f"cannot save a {type(fig).__name__}; pass a matplotlib or plotly figure")
         if path.name not in self.figures:
             self.figures.append(path.name)
+        if twin and hasattr(fig, "savefig") and interactive():
+            from .plots import show_twin       # lazy: the CLI imports this module, not plotly
+            show_twin(fig)                     # a live session also gets it as plotly
 
     def progress(self, iterable: Iterable | None = None, **kwargs):
         """A progress bar: live in Jupyter, a line every few percent elsewhere."""

@@ -89,6 +89,23 @@ run.record(mean=x.mean())
 run.finish()
 """
 
+EXPLORE_MD = """## Explore
+
+{mark}: the knob that carries the paper's idea, and why it teaches the paper best. Each move
+redraws from what the notebook computed (under a second); papermill and CI show the default.
+"""
+
+EXPLORE = """from workbench.explore import explore, range_
+
+def draw(bins):                                 # {mark}: one state of the picture
+    fig, ax = plots.subplots()
+    ax.hist(x, bins=bins)
+    ax.set(title=f"{{bins}} bins", xlabel="value", ylabel="count")
+    return fig
+
+explore(draw, bins=range_(5, 60, 5, 30))
+"""
+
 CLOSING_MD = """## What we saw
 
 The verdicts of seeds 0, 1 and 2 at smoke scale, from `notebooks/results/{slug}.json`
@@ -130,6 +147,8 @@ def new_notebook(name: str, title: str | None = None, directory: Path | None = N
              new_code_cell(EXPERIMENT.format(**fill)),
              new_markdown_cell(VERDICTS_MD.format(**fill)),
              new_code_cell(VERDICTS.format(**fill)),
+             new_markdown_cell(EXPLORE_MD.format(**fill)),
+             new_code_cell(EXPLORE.format(**fill), metadata={"tags": ["explore"]}),
              new_markdown_cell(CLOSING_MD.format(**fill)),
              new_code_cell(CLOSING.format(**fill), metadata={"tags": ["results"]}),
              new_markdown_cell(EXERCISES_MD.format(**fill))]

@@ -9,19 +9,20 @@ learning rates, a larger "full-data" pool), the second-moment table at initializ
 optimizer and PEFT baseline trained on every support set over one shared learning-rate grid
 (:func:`workbench.sweep.sweep`, cached per run) and judged at the rate its validation accuracy
 selects (C1, C3, C4), paired bootstrap intervals of the test-accuracy differences, the distance
-and curvature table at the middle shot count (C5), and the scalar metrics the recorded results
-read.
+and curvature table at the middle shot count (C5), the scalar metrics the recorded results
+read, and for the explorer every run's accuracies at one rate of the grid.
 """
 from __future__ import annotations
 
 import inspect
 import math
 
+import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from workbench import cache
+from workbench import cache, plots
 from workbench.data import images
 from workbench.diagnostics import paired_bootstrap, top_hessian_eigenvalue
 from workbench.methods import fewshot_optim as fo
@@ -30,7 +31,7 @@ from workbench.sweep import Sweep, sweep
 __all__ = ["SLUG", "FULL", "METHODS", "PAIRS", "noisy_shapes", "draw_target", "validation_split",
            "full_pool", "second_moments", "plan", "budget_ratio", "fit", "score", "sweep_shots",
            "middle_shots", "best_peft", "selected", "compare", "comparisons", "curvature",
-           "gap_closed", "scalar_metrics"]
+           "gap_closed", "scalar_metrics", "rate_table", "rate_figure"]
 
 SLUG = "15-fewshot-clip-optimizers"
 FULL = ("sgd", "adam", "adamw", "adam_budget", "adam_numerator", "shampoo", "soap")
@@ -245,3 +246,47 @@ def scalar_metrics(sel: pd.DataFrame, cmp: pd.DataFrame, c2: pd.DataFrame,
         out[f"c2_adam_over_sgd_step1_{k}shot"] = float(row.adam_step1 / row.sgd_step1)
     out.update({f"c5_{s}_{m}": float(v) for m, row in c5.iterrows() for s, v in row.items()})
     return out
+
+
+# -- the explorer: every method at one learning rate ------------------------------------------
+
+def rate_table(sweeps: dict[int, Sweep]) -> pd.DataFrame:
+    """Every run of every sweep: ``shots, method, lr`` (the grid value), validation and test
+    accuracy, distance from init, and ``selected`` (the rate validation picked for that method)."""
+    rows = []
+    for k, sw in sweeps.items():
+        picked = {m: sw.at_best(m)["lr"] for m in sw.table["method"].unique()}
+        for r in sw.table.itertuples():
+            rows.append({"shots": k, "method": r.method, "lr": r.lr, "val_acc": r.val_acc,
+                         "test_acc": r.test_acc, "dist_from_init": r.dist_from_init,
+                         "selected": r.lr == picked[r.method]})
+    return pd.DataFrame(rows)
+
+
+def rate_figure(table: pd.DataFrame, shots: int, lr: float, zero_shot: float, chance: float):
+    """Left: validation accuracy over the grid at ``shots``, a line per method (PEFT dashed),
+    ``lr`` marked. Right: each method's validation and test accuracy at ``lr``, with its test
+    accuracy at its selected rate as a ring."""
+    t = table[table["shots"] == shots]
+    fig, (a1, a2) = plots.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [1, 1.4]})
+    for i, (m, g) in enumerate(t.groupby("method", sort=False)):
+        a1.plot(g["lr"], g["val_acc"], marker="s" if m in fo.PEFT else "o",
+                ls="--" if m in fo.PEFT else "-", color=plots.PALETTE[i % len(plots.PALETTE)],
+                label=m)
+    a1.axvline(lr, color="k", lw=1)
+    a1.set(xscale="log", xlabel="learning rate (grid value)", ylabel="validation accuracy",
+           title=f"{shots}-shot: validation accuracy over the grid")
+    a1.legend(fontsize=6, ncol=2)
+    at, best = t[t["lr"] == lr].set_index("method"), t[t["selected"]].set_index("method")
+    x = np.arange(len(at))
+    a2.bar(x - 0.2, at["val_acc"].fillna(0), 0.4, label=f"validation at lr {lr:g}")
+    a2.bar(x + 0.2, at["test_acc"], 0.4, label=f"test at lr {lr:g}")
+    a2.plot(x + 0.2, best.loc[at.index, "test_acc"], "o", ms=9, mfc="none", mec="k",
+            label="test at its selected rate")
+    a2.axhline(zero_shot, color="k", ls=":", lw=1, label="zero-shot")
+    a2.axhline(chance, color="0.5", ls="--", lw=1, label="chance")
+    a2.set_xticks(x, at.index, rotation=30, fontsize=7)
+    a2.set(ylabel="accuracy", ylim=(0, 1.25 * max(t["test_acc"].max(), zero_shot)),
+           title=f"{shots}-shot, every method at lr {lr:g}")
+    a2.legend(fontsize=7, ncol=3, loc="upper left")
+    return fig

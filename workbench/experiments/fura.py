@@ -3,9 +3,14 @@ a frozen spectral core, :mod:`workbench.methods.fura`).
 
 Seven fine-tunes of one zoo LM on the same small task (LoRA, DoRA, Full FT, the frozen-U ``svd``
 variant, FuRA, QLoRA, QFuRA), each trained once and cached with its (target, retention)
-trajectory; the data they share; the checks the claims read: the reconstruction of eq. (1) at
+trajectory, each at its best learning rate from one grid shared by all
+(:func:`lr_sweep`, selected on a validation split of the target family); the data they share;
+the paired comparisons of per-item target scores (:func:`paired_target`); the checks the claims
+read: the reconstruction of eq. (1) at
 init, where the learned updates go (share outside span(U), rank), retention at equal target
-accuracy, the cost of a training step side by side, and the 4-bit core's grid bound.
+accuracy, the cost of a training step side by side, and the 4-bit core's grid bound; and the
+explorer's block-count trade (:func:`block_trade`, :func:`inside_spectra`,
+:func:`blocks_figure`).
 """
 from __future__ import annotations
 
@@ -17,20 +22,23 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 import torch
+from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 from peft.tuners.lora.layer import Linear as LoraLinear
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from .. import cache, evaluate, quant
+from .. import cache, diagnostics, evaluate, plots, quant, sweep
 from ..data import packing, tasks
 from ..methods import fura
 from ..models import finetune, zoo
 
 __all__ = ["METHODS", "GROUP", "LR", "prepare", "probe_batch", "pretrained_weights",
            "reconstruction", "logit_change", "only_cores_trainable", "TaskData", "task_data",
-           "Evaluator", "cached_finetune", "finetune_all", "trajectories", "update",
+           "Evaluator", "cached_finetune", "finetune_all", "lr_sweep", "best_lrs", "paired_target",
+           "trajectories", "update",
            "span_table", "rank_table", "retention_at", "equal_target_level", "step_cost",
-           "cost_table", "core_within_bound", "qfura_init_error", "qlora_init_error"]
+           "cost_table", "core_within_bound", "qfura_init_error", "qlora_init_error",
+           "block_counts", "project_blocks", "block_trade", "inside_spectra", "blocks_figure"]
 
 METHODS = ("lora", "dora", "full", "svd", "fura", "qlora", "qfura")
 GROUP = "16-fura"        # cache.folder("16-fura"): the notebook's fine-tunes
@@ -40,12 +48,14 @@ LR = {"lora": "lr_adapter", "dora": "lr_adapter", "qlora": "lr_adapter", "full":
 
 
 def prepare(model: nn.Module, method: str, rank: int = 8, lora_scale: float = 2.0,
-            seed: int = 0, bits: int = 4, group_size: int = 32) -> nn.Module:
+            seed: int = 0, bits: int = 4, group_size: int = 32, by_head: bool = False) -> nn.Module:
     """``model`` (changed in place, or wrapped by peft) ready to fine-tune with ``method``:
     ``lora``/``dora`` (peft, :func:`workbench.models.finetune.lora_model`), ``full`` (every weight
     of the projections), ``svd`` (one block: W = U S V^T, U frozen), ``fura`` (the block
     factorization, eq. 1), ``qlora`` (a ``bits``-bit base + peft LoRA), ``qfura`` (FuRA with
-    the frozen core in ``bits`` bits)."""
+    the frozen core in ``bits`` bits). ``by_head``: FuRA's and QFuRA's ``o_proj`` in one
+    block per attention head, as the reference's training script
+    (:func:`workbench.methods.fura.head_block_count`)."""
     targets = finetune.TARGETS
     if method in ("lora", "dora"):
         return finetune.lora_model(model, rank, lora_scale, seed, use_dora=method == "dora")
@@ -57,7 +67,8 @@ def prepare(model: nn.Module, method: str, rank: int = 8, lora_scale: float = 2.
         fura.full_finetune(model, targets)
     elif method in ("svd", "fura", "qfura"):
         fura.apply_fura(model, targets, blocks=1 if method == "svd" else None,
-                        core_bits=bits if method == "qfura" else None, group_size=group_size)
+                        core_bits=bits if method == "qfura" else None, group_size=group_size,
+                        by_head=by_head)
     else:
         raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
     return model
@@ -109,25 +120,32 @@ def only_cores_trainable(model: nn.Module) -> bool:
 @dataclass
 class TaskData:
     """What every fine-tune shares: the training examples and rows, the held-out target prompts
-    and the held-out prompts of each pretraining family."""
+    (the test items), the held-out prompts of each pretraining family, and a validation split
+    of the target family (``val_eval``, disjoint from both the training and the test prompts:
+    what the learning rate is selected on; empty when not drawn)."""
     family: str
     train: list
     pairs: list
     target_eval: list
     retain_eval: dict
+    val_eval: list = ()
 
     def eval_names(self) -> dict:
         """The evaluation prompts, by name (part of each fine-tune's cache key)."""
-        return {"target": [e.prompt for e in self.target_eval],
-                "retain": {f: [e.prompt for e in v] for f, v in self.retain_eval.items()}}
+        out = {"target": [e.prompt for e in self.target_eval],
+               "retain": {f: [e.prompt for e in v] for f, v in self.retain_eval.items()}}
+        if self.val_eval:
+            out["val"] = [e.prompt for e in self.val_eval]
+        return out
 
 
 def task_data(tok, family: str, n_train: int, n_eval: int, n_retain: int, retain_families,
-              seed: int, with_steps: bool) -> TaskData:
+              seed: int, with_steps: bool, n_val: int = 0) -> TaskData:
     """``n_train`` examples of ``family`` spread over its difficulties (seed ``100 + seed``),
     encoded; ``n_eval`` held-out target prompts at the middle difficulty that are not training
     prompts (seed ``999 + seed``); ``n_retain`` held-out prompts per pretraining family (seed
-    ``998 + seed``)."""
+    ``998 + seed``); ``n_val`` validation prompts of the target family at the same difficulty,
+    neither training nor test prompts (seed ``997 + seed``)."""
     ds = tasks.get(family).difficulties
     per = -(-n_train // len(ds))
     train = [e for d in ds for e in tasks.generate(family, per, 100 + seed, d)][:n_train]
@@ -136,13 +154,17 @@ def task_data(tok, family: str, n_train: int, n_eval: int, n_retain: int, retain
                                                {e.prompt for e in train}, seed=999 + seed)
     retain_eval = {f: evaluate.heldout_examples(f, evaluate.MIDDLE[f], n_retain, seed=998 + seed)[0]
                    for f in retain_families}
-    return TaskData(family, train, pairs, target_eval, retain_eval)
+    seen = {e.prompt for e in train} | {e.prompt for e in target_eval}
+    val_eval = evaluate.heldout_examples(family, evaluate.MIDDLE[family], n_val, seen,
+                                         seed=997 + seed)[0] if n_val else []
+    return TaskData(family, train, pairs, target_eval, retain_eval, val_eval)
 
 
 @dataclass
 class Evaluator:
     """Exact match (greedy, the verifiers) on the target family and on each pretraining family,
-    and ``retention``, their mean over the pretraining families."""
+    ``retention``, their mean over the pretraining families, and ``val_target`` on the
+    validation split when the data has one."""
     tok: object
     data: TaskData
     with_steps: bool
@@ -152,6 +174,9 @@ class Evaluator:
         out.update({f"retain_{f}": evaluate.exact_match(model, self.tok, e, self.with_steps)
                      for f, e in self.data.retain_eval.items()})
         out["retention"] = float(np.mean([out[f"retain_{f}"] for f in self.data.retain_eval]))
+        if self.data.val_eval:
+            out["val_target"] = evaluate.exact_match(model, self.tok, self.data.val_eval,
+                                                     self.with_steps)
         return out
 
 
@@ -161,7 +186,7 @@ def cached_finetune(base: str, zoo_scale: str, method: str, pairs, settings: dic
     evaluating ``evaluator(model) -> dict`` every ``every`` steps, and cache the trainable
     tensors and that trajectory (``cache.build``, keyed by the base model's key, the
     rows and ``settings``: lr, steps, batch, seed, rank, lora_scale, bits, group_size, and
-    whatever names the evaluation). Returns ``(model, info)``: the tuned model in eval mode and
+    whatever names the evaluation; ``by_head`` when present). Returns ``(model, info)``: the tuned model in eval mode and
     ``{"trajectory": [...], "train_seconds", "cached"}``."""
     key = cache.key(zoo.recipe(base).key(zoo_scale), method, pairs, settings)
     path = cache.folder(GROUP) / f"{method}-{base}-{zoo_scale}-{key}"
@@ -170,7 +195,8 @@ def cached_finetune(base: str, zoo_scale: str, method: str, pairs, settings: dic
 
     def fresh():
         m, _ = zoo.load(base, zoo_scale, device=device)
-        return prepare(m, method, s["rank"], s["lora_scale"], s["seed"], s["bits"], s["group_size"])
+        return prepare(m, method, s["rank"], s["lora_scale"], s["seed"], s["bits"], s["group_size"],
+                       s.get("by_head", False))
 
     def build(tmp):
         model, traj = fresh(), []
@@ -199,21 +225,64 @@ def cached_finetune(base: str, zoo_scale: str, method: str, pairs, settings: dic
     return model.eval(), {**copy.deepcopy(info), "cached": cached, "path": str(path)}
 
 
+def _settings(S: dict, lr: float, seed: int, pad_id: int, names: dict) -> dict:
+    """One fine-tune's settings (its cache key): ``lr``, the loop's sizes from ``S``, the
+    evaluation prompts, and ``by_head`` when ``S`` sets it."""
+    out = {"lr": lr, "steps": S["steps"], "batch": S["batch"], "seed": seed, "rank": S["rank"],
+           "lora_scale": S["lora_scale"], "bits": S["bits"], "group_size": S["group_size"],
+           "pad_id": pad_id, "eval": names, "every": S["every"]}
+    return {**out, "by_head": S["by_head"]} if "by_head" in S else out
+
+
 def finetune_all(base: str, zoo_scale: str, data: TaskData, S: dict, seed: int, evaluator,
-                 pad_id: int, device: str, progress=lambda it, **kw: it):
+                 pad_id: int, device: str, progress=lambda it, **kw: it, lrs: dict | None = None):
     """Every method of :data:`METHODS` on ``data`` (the same rows, loop and seed; the learning
-    rate of its :data:`LR` group in ``S``), through :func:`cached_finetune`. Returns
-    ``(tuned, info)``, both by method."""
+    rate ``lrs[method]``, or without ``lrs`` that of its :data:`LR` group in ``S``), through
+    :func:`cached_finetune`. Returns ``(tuned, info)``, both by method."""
     names = data.eval_names()
     tuned, info = {}, {}
     for meth in progress(METHODS, desc="fine-tunes"):
-        settings = {"lr": S[LR[meth]], "steps": S["steps"], "batch": S["batch"], "seed": seed,
-                    "rank": S["rank"], "lora_scale": S["lora_scale"], "bits": S["bits"],
-                    "group_size": S["group_size"], "pad_id": pad_id, "eval": names,
-                    "every": S["every"]}
-        tuned[meth], info[meth] = cached_finetune(base, zoo_scale, meth, data.pairs, settings,
+        lr = S[LR[meth]] if lrs is None else lrs[meth]
+        tuned[meth], info[meth] = cached_finetune(base, zoo_scale, meth, data.pairs,
+                                                  _settings(S, lr, seed, pad_id, names),
                                                   evaluator, S["every"], device)
     return tuned, info
+
+
+def lr_sweep(base: str, zoo_scale: str, data: TaskData, S: dict, seed: int, evaluator,
+             pad_id: int, device: str, grid, methods=METHODS) -> sweep.Sweep:
+    """Every method on the same learning-rate ``grid`` (:func:`workbench.sweep.sweep`), each
+    fine-tune through :func:`cached_finetune` and its final checkpoint's metrics kept in the
+    sweep's cache; each method's rate is selected on ``val_target`` (the validation split,
+    never the test prompts; ties to the lower rate)."""
+    names = data.eval_names()
+    if "val" not in names:
+        raise ValueError("lr_sweep selects on a validation split: draw one (task_data n_val)")
+
+    def run(method, lr):
+        _, info = cached_finetune(base, zoo_scale, method, data.pairs,
+                                  _settings(S, lr, seed, pad_id, names), evaluator, S["every"],
+                                  device)
+        return {**info["trajectory"][-1], "train_seconds": info["train_seconds"]}
+
+    where = cache.folder(GROUP) / ("sweep-" + cache.key(
+        zoo.recipe(base).key(zoo_scale), data.pairs, _settings(S, None, seed, pad_id, names)))
+    return sweep.sweep(run, list(methods), sorted(grid), "val_target", cache_dir=where,
+                       desc="learning-rate sweep")
+
+
+def best_lrs(sw: sweep.Sweep) -> dict:
+    """Each method's selected learning rate."""
+    return {m: float(sw.at_best(m)["lr"]) for m in sw.table["method"].unique()}
+
+
+def paired_target(tuned: dict, tok, data: TaskData, with_steps: bool, a: str, others) -> dict:
+    """``a`` against each of ``others`` on the same test prompts: the paired bootstrap
+    (:func:`workbench.diagnostics.paired_bootstrap`) of their per-item exact match, ``{other:
+    {"diff", "low", "high", ...}}`` (``a`` minus ``other``)."""
+    score = {m: evaluate.item_scores(tuned[m], tok, data.target_eval, with_steps)
+             for m in [a, *others]}
+    return {m: diagnostics.paired_bootstrap(score[a], score[m]) for m in others}
 
 
 def trajectories(info: dict) -> pd.DataFrame:
@@ -224,12 +293,14 @@ def trajectories(info: dict) -> pd.DataFrame:
 
 # -- section 3: where the updates go ----------------------------------------------------------------
 
-def update(model0: nn.Module, tuned: nn.Module, method: str, names) -> dict[str, torch.Tensor]:
+def update(model0: nn.Module, tuned: nn.Module, method: str, names,
+           by_head: bool = False) -> dict[str, torch.Tensor]:
     """Tuned minus initial dense weight of every projection in ``names`` (peft prefixes the
     names). The initial weight is the method's own at step 0: W for the adapters and Full FT,
     L S R as stored in float32 for FuRA and ``svd``, so the difference is the update and not the
-    rounding of (1)."""
-    start = prepare(copy.deepcopy(model0), method) if method in ("svd", "fura") else model0
+    rounding of (1) (``by_head``: the blocks FuRA was prepared with, :func:`prepare`)."""
+    start = prepare(copy.deepcopy(model0), method, by_head=by_head) if method in ("svd", "fura") \
+        else model0
     ref = fura.dense_weights(start, names)
     mods = {n.removeprefix("base_model.model."): n for n, _ in tuned.named_modules()}
     dw = fura.dense_weights(tuned, [mods[k] for k in names])
@@ -357,9 +428,12 @@ def core_within_bound(model: nn.Module, W0: dict) -> bool:
     return ok
 
 
-def qfura_init_error(model0: nn.Module, W0: dict, bits: int, group_size: int) -> dict:
-    """Per layer: the relative error of deq(L) S R against W at init."""
-    q_init = prepare(copy.deepcopy(model0), "qfura", bits=bits, group_size=group_size)
+def qfura_init_error(model0: nn.Module, W0: dict, bits: int, group_size: int,
+                     by_head: bool = False) -> dict:
+    """Per layer: the relative error of deq(L) S R against W at init (``by_head``:
+    :func:`prepare`)."""
+    q_init = prepare(copy.deepcopy(model0), "qfura", bits=bits, group_size=group_size,
+                     by_head=by_head)
     return {n: float((m.weight().double() - W0[n]).norm() / W0[n].norm())
             for n, m in q_init.named_modules() if isinstance(m, fura.FuraLinear)}
 
@@ -368,3 +442,86 @@ def qlora_init_error(W0: dict, bits: int, group_size: int) -> dict:
     """Per layer: the relative error of QLoRA's deq(W) against W."""
     return {n: float((quant.rtn(w.float(), bits, group_size).dequantize().double() - w).norm()
                      / w.norm()) for n, w in W0.items()}
+
+
+# -- the explorer: the block count n of eq. (1) ----------------------------------------------------
+
+def block_counts(cols: int) -> list[int]:
+    """Every block count ``n`` that divides the in-features (1: the plain SVD; ``cols``: blocks
+    of width 1, only singular values left)."""
+    return [n for n in range(1, cols + 1) if cols % n == 0]
+
+
+def project_blocks(delta: torch.Tensor, U: torch.Tensor) -> torch.Tensor:
+    """``[U_1 U_1^T dW_1 ... U_n U_n^T dW_n]``: the part of an update that FuRA with the blocks
+    of ``U`` (out, n, k) can express, each column block kept in its pretrained column space."""
+    out, n, _ = U.shape
+    d = delta.reshape(out, n, -1).permute(1, 0, 2)
+    u = U.permute(1, 0, 2)
+    return (u @ (u.transpose(1, 2) @ d)).permute(1, 0, 2).reshape(delta.shape)
+
+
+def block_trade(w0: torch.Tensor, updates: dict, rank: int) -> pd.DataFrame:
+    """For every block count ``n`` of one projection (pretrained weight ``w0``): the block width
+    b, k = min(out, b), FuRA's trainable count n k (b + 1) against LoRA's r (in + out) and the
+    dense count, and the share of each learned update in ``updates`` (method -> dW) outside the
+    blocks' column spans span(U_j), what FuRA with n blocks could not express."""
+    out, cols = w0.shape
+    rows = []
+    for n in block_counts(cols):
+        U = fura.block_svd(w0, n)[0]
+        rows.append({"blocks": n, "width b": cols // n, "k": min(out, cols // n),
+                     "FuRA trainable": fura.fura_parameters(out, cols, n),
+                     "LoRA trainable": fura.lora_parameters(out, cols, rank),
+                     "dense": out * cols,
+                     **{f"outside, {m}": fura.outside_span(d.to(U.dtype), U)
+                        for m, d in updates.items()}})
+    return pd.DataFrame(rows).set_index("blocks")
+
+
+def inside_spectra(w0: torch.Tensor, delta: torch.Tensor) -> dict:
+    """The singular values of an update ``delta`` (key ``"dW"``) and of its part inside the
+    blocks' column spans for every block count n (key n, :func:`project_blocks`), computed
+    once so that moving the block count only redraws."""
+    delta = delta.to(w0.dtype)
+    out = {"dW": torch.linalg.svdvals(delta).numpy()}
+    for n in block_counts(w0.shape[1]):
+        out[n] = torch.linalg.svdvals(project_blocks(delta, fura.block_svd(w0, n)[0])).numpy()
+    return out
+
+
+def blocks_figure(trade: pd.DataFrame, spectra: dict, n: int, rank: int, layer: str,
+                  method: str = "full"):
+    """Left: trainable parameters and the share of the learned updates outside span(U_j)
+    against the block count, ``n`` marked. Right: the singular values of one method's update
+    and of its part inside the ``n`` blocks' spans (``spectra``, :func:`inside_spectra`),
+    against LoRA's rank."""
+    fig, (a, b) = plots.subplots(1, 2, figsize=(12, 4))
+    x = trade.index.to_numpy()
+    for i, c in enumerate(["FuRA trainable", "LoRA trainable", "dense"]):
+        a.loglog(x, trade[c], "o-" if i == 0 else "--", color=plots.PALETTE[i], label=c, base=2)
+    a.axvline(n, color="k", lw=1, ls=":")
+    a.set(xlabel="block count n (log)", ylabel="trainable parameters of the layer",
+          title=f"{layer}: n = {n}, width b = {trade.loc[n, 'width b']}, k = {trade.loc[n, 'k']}")
+    a.legend(fontsize=7, loc="lower left")
+    t = a.twinx()
+    for i, c in enumerate(c for c in trade.columns if c.startswith("outside")):
+        t.semilogx(x, trade[c], "s-", ms=3, color=plots.PALETTE[3 + i], label=c, base=2)
+    t.set(ylabel="share of the update outside span(Uⱼ)", ylim=(0, 1))
+    t.legend(fontsize=7, loc="center right")
+    for ax in (a, t):                   # plain tick labels: mathtext ones cost a third of a redraw
+        ax.xaxis.set_major_locator(FixedLocator(x))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_locator(NullLocator())
+    a.yaxis.set_major_formatter(ScalarFormatter())
+    a.yaxis.set_minor_locator(NullLocator())
+    top = max(float(spectra["dW"][0]), 1e-300)
+    for i, (lab, sv) in enumerate([(f"{method} ΔW", spectra["dW"]),
+                                   (f"its part FuRA (n = {n}) can express", spectra[n])]):
+        b.semilogy(np.arange(1, len(sv) + 1), np.maximum(sv / top, 1e-17),
+                   color=plots.PALETTE[i], label=lab)
+    b.axvline(rank, color="k", ls=":", lw=1, label=f"LoRA rank r = {rank}")
+    b.set(xlabel="singular value index", ylabel="σᵢ / σ₁ of the full ΔW",
+          title="Rank of the update inside the blocks' column spaces")
+    b.legend(fontsize=7)
+    return fig

@@ -6,7 +6,9 @@ measures how sensitive the backbone is to its block weights; quantizes every blo
 RTN, GPTQ and GSQ as published (IST-DASLab/GSQ, started from GPTQ) at each bit width, and the two
 ablations of ours that re-solve the scales of GPTQ's and of GSQ's assignment in closed form;
 scores the zero-shot task; writes gguf-py's Q4_0 assignment and GSQ's as GGUF files and reads
-them back three ways; and times GSQ against layer size.
+them back three ways; and times GSQ against layer size. For the explorer: RTN's and GPTQ's
+perplexity over bits and group sizes (GSQ only where the notebook ran it) and one weight row on
+its grid.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ __all__ = ["LIMITS", "METHODS", "ABLATIONS", "NAMES", "LLAMA_CPP_PPL_RTOL", "lim
            "layer_errors", "gap_closed", "loglog_slope", "Bed", "load_bed", "weight_noise",
            "baseline", "quantize_all", "solved_scales", "ppl_metrics", "ppl_table", "flips",
            "layer_error_means", "diagnostics_figure", "task_scores", "q4_0_round_trip",
-           "readers_agree", "timing_sweep", "timing_figure"]
+           "readers_agree", "timing_sweep", "timing_figure", "group_sizes", "group_table",
+           "grid_rows", "explore_figure"]
 
 LIMITS = {"group_size": [32 * k for k in range(1, 65)], "gsq_steps": (0, None),
           "n_calib": (1, None)}
@@ -371,4 +374,84 @@ def timing_figure(sizes: list, secs: list, steps: int, slope: float):
     ax.set_ylabel("seconds per layer")
     ax.set_title("GSQ cost vs layer size")
     ax.legend()
+    return fig
+
+
+# -- the explorer: bits and group size against perplexity and the weight grid ----------------
+
+def group_sizes(layers: dict) -> list[int]:
+    """The allowed group sizes (multiples of 32) that divide every layer's in-features."""
+    cols = [lin.weight.shape[1] for lin in layers.values()]
+    return [g for g in LIMITS["group_size"] if all(c % g == 0 for c in cols)]
+
+
+def group_table(bed: Bed, results: dict, bits_list, sizes, group_size: int) -> pd.DataFrame:
+    """Held-out perplexity of RTN and GPTQ at every bit width and group size in ``sizes`` (read
+    from ``results`` at the notebook's ``group_size``, quantized afresh elsewhere), and GSQ's at
+    ``group_size`` only: rows ``method, bits, group size, bits per weight, ppl``."""
+    rows = []
+    for gs in sizes:
+        for b in bits_list:
+            for m in ("rtn", "gptq", "gsq"):
+                if m == "gsq" and gs != group_size:
+                    continue
+                ppl = (results[(m, b)]["ppl"] if gs == group_size
+                       else bed.ppl(baseline(bed, m, b, gs)[0]))
+                rows.append({"method": NAMES[m], "bits": b, "group size": gs,
+                             "bits per weight": Q.bits_per_weight(b, gs), "ppl": ppl})
+    return pd.DataFrame(rows)
+
+
+def grid_rows(bed: Bed, results: dict, layer: str, bits: int, gs: int, group_size: int,
+              row: int = 0, cols: int = 64) -> dict:
+    """One output row of ``layer`` (its first ``cols`` inputs): ``"fp"`` -> the weights, and per
+    method -> ``(dequantized weights, per-group scale)``: RTN and GPTQ quantized afresh at
+    ``bits`` and ``gs`` (one layer, cheap), GSQ read from ``results`` when ``gs == group_size``."""
+    w = bed.layers[layer].weight.detach()
+    qs = {"rtn": Q.rtn(w, bits, gs), "gptq": Q.gptq(w, bed.H[layer], bits, gs)}
+    if gs == group_size:
+        qs["gsq"] = results[("gsq", bits)]["info"][layer]["q"]
+    out = {"fp": w[row, :cols].float()}
+    for m, q in qs.items():
+        out[m] = (q.dequantize()[row, :cols], q.scale[row, :max(1, cols // q.group_size)])
+    return out
+
+
+def _ppl_panel(ax, table: pd.DataFrame, bits: int, gs: int, ppl_fp: float) -> None:
+    """Perplexity against bits per weight: one line per method and group size, ``gs`` bold."""
+    for (m, g), t in table.groupby(["method", "group size"], sort=False):
+        on, color = g == gs, {"RTN": "C0", "GPTQ": "C1"}.get(m, "C2")
+        ax.plot(t["bits per weight"], t["ppl"], "^-" if "GSQ" in m else "o-", color=color,
+                lw=2 if on else 0.8, alpha=1 if on else 0.3, ms=6 if on else 3,
+                label=f"{m}, group {g}" if on or "GSQ" in m else None)
+    pick = table[(table["bits"] == bits) & (table["group size"] == gs)]
+    ax.plot(pick["bits per weight"], pick["ppl"], "o", ms=13, mfc="none", mec="k")
+    ax.axhline(ppl_fp, color="k", ls="--", lw=1, label="full precision")
+    ax.set(xlabel="bits per weight (levels + fp16 scales)", ylabel="held-out perplexity",
+           title=f"perplexity: {bits} bit, group {gs} circled")
+    ax.legend(fontsize=7)
+
+
+def explore_figure(table: pd.DataFrame, rows: dict, bits: int, gs: int, ppl_fp: float,
+                   layer: str):
+    """Left: perplexity against bits per weight over group sizes (:func:`group_table`). Right:
+    one weight row (:func:`grid_rows`) with GPTQ's grid levels per group (grey) and where RTN,
+    GPTQ and GSQ put each weight."""
+    fig, (a1, a2) = subplots(1, 2, figsize=(12, 3.8))
+    _ppl_panel(a1, table, bits, gs, ppl_fp)
+    fp = rows["fp"].numpy()
+    x = np.arange(len(fp))
+    lv = Q.levels(bits).float()
+    for k, s in enumerate(rows["gptq"][1]):
+        for v in (s * lv).tolist():
+            a2.hlines(v, k * gs - 0.5, min((k + 1) * gs, len(fp)) - 0.5, color="0.85", lw=0.8)
+    a2.plot(x, fp, "k.", ms=5, label="full precision")
+    for (m, mk), off in zip((("rtn", "o"), ("gptq", "s"), ("gsq", "^")), (-0.25, 0.0, 0.25)):
+        if m in rows:
+            a2.plot(x + off, rows[m][0].numpy(), mk, ms=3.5, mfc="none", label=NAMES[m])
+    ran = table.loc[table["method"] == NAMES["gsq"], "group size"]
+    gsq = "" if "gsq" in rows else f"; GSQ ran at group {int(ran.iloc[0])} only"
+    a2.set(xlabel="input index (row 0)", ylabel="weight",
+           title=f"{layer.removeprefix('model.layers.')}: {bits}-bit grid, group {gs}{gsq}")
+    a2.legend(fontsize=7, ncol=2)
     return fig

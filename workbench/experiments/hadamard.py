@@ -6,7 +6,9 @@ parameter-matched wide) and inner seed, measures the representation every few up
 (:func:`workbench.methods.hadamard.representation_stats`), and reduces the runs to what the
 claims read: inactivity and dormancy over training, rank and saturation late in training, the
 final return, PPO's own update diagnostics, the ReLU comparison, the saturation of each HR
-branch, and the singular spectrum of the representation.
+branch, and the singular spectrum of the representation. The explorer scales the trained
+torsos' pre-activations by a gain and counts saturated units again (:func:`gain_table`,
+:func:`gain_figure`): the p against p squared of one branch against a product of two.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ from workbench.runtime import seed_everything
 __all__ = ["AGENTS", "LABEL", "PPO_LOGS", "Setup", "make_setup", "torso_sizes", "train_one",
            "train_torsos", "checkpoints", "smoothed_return", "series", "returns", "summarize",
            "curves_by_torso", "ppo_logs", "ppo_log_means", "relu_summary", "branch_saturation",
-           "spectrum_figure", "spectrum_slider", "spectrum_start_end"]
+           "spectrum_figure", "spectrum_slider", "spectrum_start_end", "preactivations",
+           "saturation_at", "gain_table", "gain_figure"]
 
 AGENTS = ("ppo", "dqn")
 LABEL = {"standard": "standard", "hadamard": "HR", "wide": "wide (param-matched)"}
@@ -246,4 +249,72 @@ def spectrum_start_end(results: dict, steps):
                ylim=(1e-6, 1))
         ax.legend()
     fig.suptitle("Singular spectrum of the representation (first seed): start vs end of training")
+    return fig
+
+
+# -- the explorer: saturation against a gain on the pre-activations -----------------------------
+
+@torch.no_grad()
+def preactivations(result: dict) -> tuple[dict, torch.nn.Module]:
+    """The representation layer's pre-activations on the run's last states (``branch 1`` and
+    ``branch 2`` for HR, ``unit`` for a standard or wide layer) and its activation."""
+    t, x = result["torso"], result["states"]
+    z, rep = t.encoder(x.float() / t.scale_input), t.rep
+    if isinstance(rep, hr.HadamardLinear):
+        pre = {"branch 1": rep.norm1(rep.branch1(z)), "branch 2": rep.norm2(rep.branch2(z))}
+        return pre, rep.act
+    return {"unit": rep[1](rep[0](z))}, rep[2]
+
+
+@torch.no_grad()
+def saturation_at(pre: dict, act: torch.nn.Module, gain: float) -> dict:
+    """Saturated fractions (:func:`workbench.diagnostics.saturated_fraction`) with every
+    pre-activation multiplied by ``gain`` (1: the trained layer): of a standard unit, or of each
+    HR branch, their product, and what independent branches would give (f1 f2)."""
+    a = {k: act(gain * v) for k, v in pre.items()}
+    if "unit" in a:
+        return {"unit": dx.saturated_fraction(a["unit"])}
+    f1, f2 = dx.saturated_fraction(a["branch 1"]), dx.saturated_fraction(a["branch 2"])
+    return {"branch 1": f1, "branch 2": f2,
+            "product": dx.saturated_fraction(a["branch 1"] * a["branch 2"]),
+            "branch 1 x branch 2": f1 * f2}
+
+
+def gain_table(results: dict, gains, idx: int) -> pd.DataFrame:
+    """Saturated fraction against the gain for inner seed ``idx`` of every torso: columns gain,
+    series (``standard``, ``wide (param-matched)``, ``HR branch 1`` ...), saturated."""
+    rows = []
+    for kind in hr.TORSOS:
+        pre, act = preactivations(results[kind][idx])
+        for g in gains:
+            for k, f in saturation_at(pre, act, g).items():
+                name = LABEL[kind] if k == "unit" else f"HR {k}"
+                rows.append({"gain": float(g), "series": name, "saturated": f})
+    return pd.DataFrame(rows)
+
+
+@torch.no_grad()
+def gain_figure(table: pd.DataFrame, hr_result: dict, gain: float, seed: int):
+    """Left: saturated fraction against the gain on the pre-activations (``table``,
+    :func:`gain_table`), ``gain`` marked. Right: each HR unit's mean |output| of branch 1
+    against branch 2 at that gain, red where the product is saturated: only where both are."""
+    fig, (a, b) = plots.subplots(1, 2, figsize=(12, 4))
+    for i, (name, g) in enumerate(table.groupby("series", sort=False)):
+        a.plot(g.gain, g.saturated, "--" if "x" in name else "o-", ms=3,
+               color=plots.PALETTE[i % len(plots.PALETTE)], label=name)
+    a.axvline(gain, color="k", ls=":", lw=1)
+    a.set(xlabel="gain on the pre-activations (1: as trained)", ylabel="saturated fraction",
+          title=f"Saturated units against pre-activation size (seed {seed})")
+    a.legend(fontsize=7)
+    pre, act = preactivations(hr_result)
+    a1, a2 = (act(gain * pre[k]) for k in ("branch 1", "branch 2"))
+    m1, m2, mp = a1.mean(0).abs(), a2.mean(0).abs(), (a1 * a2)
+    sat = (mp.mean(0).abs() >= 0.95) & (mp.std(0) <= 0.05)
+    b.scatter(m1[~sat], m2[~sat], s=12, color=plots.PALETTE[0], label="product not saturated")
+    b.scatter(m1[sat], m2[sat], s=16, color=plots.PALETTE[1], label="product saturated")
+    for f in (b.axvline, b.axhline):
+        f(0.95, color="k", ls=":", lw=1)
+    b.set(xlabel="|mean| of branch 1's output", ylabel="|mean| of branch 2's output",
+          xlim=(0, 1.02), ylim=(0, 1.02), title=f"HR units at gain {gain:g}")
+    b.legend(fontsize=7)
     return fig

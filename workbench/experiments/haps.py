@@ -327,7 +327,7 @@ def summary(per_family: pd.DataFrame, c1: pd.DataFrame, cost: pd.DataFrame, agre
     return out
 
 
-# -- the explorer -----------------------------------------------------------------------------------
+# -- the explorer ----------------------------------------------------------------------------------
 
 def two_level_table(static_test: np.ndarray, adapted: dict, arch_choice: np.ndarray,
                     choice: dict, families: np.ndarray, fams: list[str]) -> pd.DataFrame:

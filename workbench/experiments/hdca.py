@@ -442,8 +442,8 @@ def _plane_panel(ax, plane: dict, c: float, n_lines: int = 40) -> None:
         ax.plot(*np.stack([raw[i], ratio[i] * raw[i]]).T, color="0.75", lw=0.5)
     for s in np.unique(plane["session"]):
         m, col = plane["session"] == s, plots.PALETTE[s % len(plots.PALETTE)]
-        ax.scatter(*raw[m].T, s=5, alpha=0.25, color=col)
-        ax.scatter(*(ratio[m] * raw[m]).T, s=7, color=col, label=f"session {s + 1}")
+        ax.plot(*raw[m].T, ".", ms=3, alpha=0.25, color=col)
+        ax.plot(*(ratio[m] * raw[m]).T, ".", ms=4, color=col, label=f"session {s + 1}")
     ax.add_patch(Circle((0, 0), 1 / np.sqrt(c), fill=False, ls="--", color="k"))
     ax.set_aspect("equal", "datalim")
     ax.set(xlabel="residual on singular direction 1", ylabel="on direction 2")
@@ -456,8 +456,8 @@ def _map_panel(ax, plane: dict, c: float) -> None:
     ax.plot(r, r, "k:", lw=0.8, label="identity")
     ax.plot(r, compression_ratio(r, c).numpy() * r, color=plots.PALETTE[0], label="rho_c(r)")
     ax.axhline(1 / np.sqrt(c), color="k", ls="--", lw=0.8, label="1 / sqrt(c)")
-    ax.scatter(norms, compression_ratio(norms, c).numpy() * norms, s=6,
-               color=plots.PALETTE[1], label="trained residuals")
+    ax.plot(norms, compression_ratio(norms, c).numpy() * norms, ".", ms=4,
+            color=plots.PALETTE[1], label="trained residuals")
     ax.set(xscale="log", yscale="log", xlabel="raw residual norm r",
            ylabel="compressed norm", title="the map, and where the residuals sit on it")
     ax.legend(fontsize=7)

@@ -9,8 +9,8 @@ traces (Hutch++, shared per block by default, as the public calibrator) and thei
 scales; runs the QAT comparison (STE, Hestia with one global schedule, the matched global
 control, Hestia with Hessian schedules); compares two runs on the same items with a paired
 bootstrap; checks each quantizer's forward against its backward; times a training step of each
-mode; writes the final model as a GGUF file and reads it back; and gathers the evidence of the
-claims.
+mode; writes the final model as a GGUF file and reads it back; gathers the evidence of the
+claims; and, for the explorer, draws the relaxed quantizer along one tensor's schedule.
 """
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ from workbench.plots import subplots
 __all__ = ["LIMITS", "KEY", "COLOR", "limits", "qat_config", "train_stream", "block_nll",
            "task_items", "Bed", "load_bed", "reference_rows", "sensitivities",
            "trace_table", "qat_methods", "qat_run", "qat_metrics", "row_table", "compare", "consistency",
-           "step_time", "step_times", "export_gguf", "c2_evidence", "schedule_figure"]
+           "step_time", "step_times", "export_gguf", "c2_evidence", "schedule_figure",
+           "DEAD_SLOPE", "forward_curve", "dead_share", "relaxation_figure"]
 
 # the knobs' and sizes' allowed values, checked by run.sizes before anything runs
 LIMITS = {"steps": (10, None), "batch": (1, None), "lr": (1e-12, None), "t0": (1e-12, None),
@@ -385,4 +386,64 @@ def schedule_figure(schedules: dict, traces: dict, cfg: M.QATConfig):
     ax.set_ylabel("temperature T (codebook units$^2$)")
     ax.set_title(f"{len(traces)} per-tensor schedules")
     ax.legend()
+    return fig
+
+
+# -- the explorer: the relaxed quantizer along one tensor's schedule ----------------------------
+
+DEAD_SLOPE = 0.1     # a weight whose forward moves less than this per unit of W/gamma is "dead"
+
+
+def forward_curve(x: torch.Tensor, temp: float, pressure: float):
+    """What Hestia's forward computes from ``x = W / gamma`` at ``temp`` and ``pressure``,
+    ``lerp(x, E_T(x), pressure)`` with ``E_T(x) = sum_c c softmax_c(-(x - c)^2 / T)``, and its
+    slope in ``x`` (gamma held fixed): ``1 - p + p (2/T) Var_p(c)``; ``temp <= 0`` is the hard
+    quantizer, whose forward is flat between the rounding boundaries."""
+    if temp <= 0:
+        e, slope_e = torch.clamp(torch.round(x), -1, 1), torch.zeros_like(x)
+    else:
+        c = torch.tensor(M.CODEBOOK, dtype=x.dtype)
+        prob = torch.softmax(-(x.unsqueeze(-1) - c) ** 2 / temp, dim=-1)
+        e = prob @ c
+        slope_e = (2 / temp) * (prob @ (c * c) - e * e)
+    return torch.lerp(x, e, pressure), (1 - pressure) + pressure * slope_e
+
+
+def dead_share(x: torch.Tensor, schedule: M.Schedule, steps) -> np.ndarray:
+    """At each of ``steps``: the share of the weights ``x = W / gamma`` whose forward slope
+    (:func:`forward_curve`, at the schedule's temperature and pressure) is below
+    :data:`DEAD_SLOPE`: moving them a little changes nothing the network computes."""
+    return np.array([float((forward_curve(x, schedule.temperature(t), schedule.pressure(t))[1]
+                            < DEAD_SLOPE).float().mean()) for t in steps])
+
+
+def relaxation_figure(w: torch.Tensor, schedule: M.Schedule, glob: M.Schedule, step: int,
+                      name: str):
+    """Left: the forward of one tensor at ``step`` of its schedule against ``x = W / gamma``
+    (and its slope), the hard quantizer dashed, the tensor's weights as a histogram. Right: the
+    share of its weights in the dead zone over QAT, its schedule against the global one (read
+    on 4096 evenly spaced quantiles of the weights, so a move stays cheap)."""
+    x = (w / M.absmean_scale(w)).flatten().float()
+    grid = torch.linspace(-2.5, 2.5, 501)
+    temp, pres = schedule.temperature(step), schedule.pressure(step)
+    f, slope = forward_curve(grid, temp, pres)
+    fig, (a1, a2) = subplots(1, 2, figsize=(12, 3.8))
+    a1.hist(x.numpy(), bins=120, range=(-2.5, 2.5), density=True, color="0.85", label="weights")
+    a1.plot(grid, forward_curve(grid, 0.0, 1.0)[0], "k--", lw=1, label="hard Q (STE forward)")
+    a1.plot(grid, f, color=COLOR["Hestia, Hessian T"], label="Hestia forward")
+    a1.plot(grid, slope.clamp(max=3), ":", color=COLOR["Hestia, Hessian T"],
+            label="its slope (cut at 3)")
+    a1.set(xlabel="x = W / gamma", ylim=(-1.6, 3.1),
+           title=f"{name.removeprefix('model.layers.')}, step {step}: T = {temp:.3g}, "
+           f"pressure {pres:.2f} (scale {schedule.scale:.2f})")
+    a1.legend(fontsize=7, loc="upper left")
+    xs = np.arange(schedule.steps)
+    qs = x.sort().values[torch.linspace(0, len(x) - 1, min(len(x), 4096)).long()]  # quantiles
+    for s, lab, ls in ((schedule, "this tensor's schedule", "-"), (glob, "global schedule", "--")):
+        color = "k" if s is glob else COLOR["Hestia, Hessian T"]
+        a2.plot(xs, dead_share(qs, s, xs), ls, color=color, label=lab)
+    a2.axvline(step, color="0.4", lw=1)
+    a2.set(xlabel="QAT step", ylabel=f"share of weights with slope < {DEAD_SLOPE}",
+           ylim=(-0.02, 1.02), title="dead zone over QAT (STE's forward: all of them, always)")
+    a2.legend(fontsize=7)
     return fig

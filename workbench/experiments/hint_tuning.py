@@ -16,7 +16,9 @@ What the notebook drives, in its order:
 - C3: the baselines' accuracy-tokens frontier: budget forcing (:func:`truncated_generate`) and
   the upper hull of the baseline points (:func:`frontier_at`);
 - C4: a smaller reasoning model built from a recipe defined here
-  (:func:`small_reasoning_recipe`) through the zoo, hint-tuned the same way (:func:`model_row`).
+  (:func:`small_reasoning_recipe`) through the zoo, hint-tuned the same way (:func:`model_row`);
+- the explorer: the probe's hint ladder, problem by problem (:func:`hint_ladder`,
+  :func:`ladder_figure`).
 
 Fine-tunes are cached under ``cache.folder("hint-tuning")`` by
 :func:`workbench.models.finetune.cached_lora`, keyed by the base model's key, the texts and the
@@ -30,6 +32,7 @@ from dataclasses import replace
 import numpy as np
 import pandas as pd
 
+from .. import plots
 from ..data import tasks
 from ..data.tasks import ANSWER_MARK, STEP_SEP
 from ..diagnostics import spearman_ci
@@ -42,7 +45,7 @@ __all__ = ["GROUP", "draw_problems", "relative_level", "reader_data", "hint_read
            "state_table", "c1_stats", "hint_tune", "evaluate", "measure", "accuracy_tokens",
            "summarize",
            "passes_c2", "truncated_generate", "frontier_at", "small_reasoning_recipe",
-           "small_reasoning", "model_row", "prose_metrics"]
+           "small_reasoning", "model_row", "prose_metrics", "hint_ladder", "ladder_figure"]
 
 GROUP = "hint-tuning"      # this notebook's folder of cached fine-tunes under the cache
 
@@ -292,3 +295,52 @@ def prose_metrics(per_family: dict, share, ev: dict, points: pd.DataFrame, front
     out.update({f"c4_{m.replace('-', '_')}_{k}": float(v) for m, row in c4.iterrows()
                 for k, v in row.items()})
     return out
+
+
+# -- the explorer: the hint ladder --------------------------------------------------------------
+
+def hint_ladder(problems, probes) -> pd.DataFrame:
+    """One row per problem and hint length k = 0 .. the longest reasoning: whether the instruct
+    model agrees with R given R's first min(k, n) steps (``agree``; k = 0 unaided, k >= n the
+    full hint) and whether it agreed under any hint of at most k steps (``reached``: the probe
+    stopped at k would not label the problem Full-Hint)."""
+    top = max(len(p.steps) for p in probes)
+    rows = []
+    for e, p in zip(problems, probes):
+        ladder = [p.direct] + list(p.sparse) + ([p.full] if p.steps else [])
+        for k in range(top + 1):
+            j = min(k, len(ladder) - 1)
+            rows.append((e.family, e.difficulty, relative_level(e), k, len(p.steps),
+                         bool(ladder[j]), bool(any(ladder[:j + 1]))))
+    return pd.DataFrame(rows, columns=["family", "difficulty", "level", "k", "n_steps", "agree",
+                                       "reached"])
+
+
+def ladder_figure(ladder: pd.DataFrame, family: str, k: int):
+    """Left: per difficulty level, the share of problems where the instruct model agrees with R
+    given k of R's steps, and given at most k, beside the unaided share. Right: the share
+    reached with at most k steps over every (k, level), row k framed. ``family`` "all" pools
+    the families on the level within the family, binned by quarters."""
+    if family == "all":                 # the families' level grids differ: bin them by quarters
+        rows, x = ladder.assign(level=np.round(ladder.level * 4) / 4), "level"
+    else:
+        rows, x = ladder[ladder.family == family], "difficulty"
+    fig, (a, b) = plots.subplots(1, 2, figsize=(12, 4))
+    at = rows[rows.k == k].groupby(x)[["agree", "reached"]].mean()
+    a.plot(at.index, rows[rows.k == 0].groupby(x).agree.mean(), ":", color="0.5",
+           label="unaided (No-Hint)")
+    a.plot(at.index, at.agree, "o-", color=plots.PALETTE[0], label=f"given k = {k} steps")
+    a.plot(at.index, at.reached, "s--", color=plots.PALETTE[1], label=f"given at most {k} steps")
+    a.set(xlabel="difficulty (level within the family, 0-1)" if x == "level" else "difficulty",
+          ylabel="share agreeing with R's answer", ylim=(-0.02, 1.02),
+          title=f"{family}: the instruct model given R's first k = {k} steps")
+    a.legend(fontsize=7)
+    grid = rows.pivot_table(index="k", columns=x, values="reached", aggfunc="mean")
+    im = b.imshow(grid.values, origin="lower", aspect="auto", vmin=0, vmax=1, cmap="viridis",
+                  extent=(-0.5, grid.shape[1] - 0.5, grid.index[0] - 0.5, grid.index[-1] + 0.5))
+    b.axhspan(k - 0.5, k + 0.5, fill=False, ec="w", lw=2)
+    b.set_xticks(range(grid.shape[1]), [f"{v:.2g}" for v in grid.columns])
+    b.set(xlabel=a.get_xlabel(), ylabel="hint length k (steps)",
+          title="Share agreeing with at most k steps")
+    fig.colorbar(im, ax=b, label="share of problems")
+    return fig

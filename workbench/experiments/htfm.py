@@ -11,7 +11,8 @@ What the notebook drives, in its order:
   (:func:`train_models`, :func:`evaluate_models`, :func:`c3_means`), scored by the metrics below;
 - C3's reading: where each model sends its largest sources (:func:`transport`);
 - C4: the trained HTFM network sampled from other clocks (:func:`tail_sweep`);
-- C5 (full scale only): imbalanced digits and heavy-tailed fields (:func:`run_c5`).
+- C5 (full scale only): imbalanced digits and heavy-tailed fields (:func:`run_c5`);
+- the explorer: the HTFM network sampled from a clock of any tail (:func:`clock_figure`).
 
 Metrics (REFERENCES.md): the sliced Wasserstein distance, rare-mode coverage, high quantiles of
 the radius, and the Hill tail-index estimator.
@@ -28,6 +29,7 @@ from scipy import stats
 from sklearn.datasets import load_digits
 from sklearn.neighbors import KNeighborsClassifier
 
+from .. import plots
 from ..data.heavy_tailed import extreme_field, imbalanced_digits
 from ..methods import htfm as H
 
@@ -37,8 +39,7 @@ __all__ = ["NFE", "HILL_FRAC", "RADIUS", "C1_CLOCKS", "SWEEP", "wasserstein_1d",
            "clock_name", "clock_ks_tests", "c1_summary", "polygon", "known_areas",
            "known_area_error", "esig_error", "feature_cost", "scatter", "train_models",
            "evaluate_models", "metric_table", "c3_means", "transport", "tail_sweep", "run_c5",
-           "c5_holds",
-           "summary_metrics"]
+           "c5_holds", "summary_metrics", "radius_qq", "clock_figure"]
 
 NFE = (4, 8, 16)            # the Euler step grid every model is sampled on
 HILL_FRAC = 0.002           # Hill's k as a fraction of the sample
@@ -376,3 +377,36 @@ def summary_metrics(c1: dict, mean, hills: dict) -> dict:
     out.update({f"c4_{fam}_hill_{round(10 * p)}": h for fam, v in hills.items()
                 for p, h in zip(SWEEP[fam], v)})
     return out
+
+
+# -- the explorer: the sampling clock against the generated tail -----------------------------------
+def radius_qq(x: np.ndarray, ref_x: np.ndarray, levels=None) -> tuple[np.ndarray, np.ndarray]:
+    """The tail QQ of the radius: the data's (``ref_x``) and the samples' quantiles of ||x|| at
+    ``levels`` (by default 40 levels from 0.9 to 0.9999, as the notebook's tail figure)."""
+    levels = 1 - np.logspace(-4, -1, 40) if levels is None else levels
+    return (np.quantile(np.linalg.norm(ref_x, axis=1), levels),
+            np.quantile(np.linalg.norm(x, axis=1), levels))
+
+
+def clock_figure(model, ref, kind: str, param: float, baseline: np.ndarray, n: int = 10_000,
+                 nfe: int = 8, seed: int = 0, device="cpu"):
+    """The explorer's picture (C4's tail control): the trained HTFM network sampled from the clock
+    ``kind`` at tail ``param`` (``n`` seeded sources, ``nfe`` Euler steps). Left, the samples over
+    the mixture's modes; right, the tail QQ of their radius against the data, beside the first
+    ``n`` of ``baseline`` (the network's samples from its training clock: the same sample size,
+    so the two Hill indices compare), each with its Hill index."""
+    clock = H.Clock(kind, param)
+    x = H.sample(model, clock, n, nfe, generator=torch.Generator().manual_seed(seed),
+                 device=device).numpy()
+    name = clock_name(clock)
+    fig, (a0, a1) = plots.subplots(1, 2, figsize=(11, 4.2))
+    scatter(a0, x, ref, f"HTFM from the {name} clock, {nfe} Euler steps")
+    for i, (label, xs) in enumerate([("training clock", baseline[:n]), (f"{name} clock", x)]):
+        r_ref, r = radius_qq(xs, ref.x)
+        a1.loglog(r_ref, r, ".-", ms=3, color=plots.PALETTE[i],
+                  label=f"{label}: Hill {hill(xs, frac=HILL_FRAC):.2f}")
+    a1.loglog(r_ref, r_ref, "k--", lw=0.8, label=f"y = x (data: alpha {ref.alpha:g})")
+    a1.set(title="tail QQ of the radius (levels 0.9 to 0.9999)", xlabel="data quantile of ||x||",
+           ylabel="generated quantile of ||x||")
+    a1.legend(fontsize=7)
+    return fig

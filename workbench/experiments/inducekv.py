@@ -13,12 +13,17 @@ under a byte budget) lives in :mod:`workbench.methods.inducekv`; the baselines' 
   their trained states cached by a key of everything that changes them (:func:`cached_states`,
   :func:`workbench.cache.build`), and their accuracy matrices;
 - the diagnostics of C5 (a compute-matched LoRA, bounded pools, smaller budgets, more entries
-  retrieved) and the footprint traces of C2.
+  retrieved) and the footprint traces of C2;
+- the explorer over the byte budget: :func:`pair_scores` scores every (example, entry) pair a
+  stream can ask for once, and :func:`replay_stream` reruns :func:`K.run_stream`'s memory (evict,
+  select, calibrate, retrieve) at any budget and selection rule from those lookups, in a fraction
+  of a second; :func:`stream_figure` draws it.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +31,7 @@ import pandas as pd
 import torch
 from peft import PeftModel
 
-from workbench import cache
+from workbench import cache, plots
 from workbench.data import packing, tasks
 from workbench.evaluate import MIDDLE, heldout_examples
 from workbench.methods import inducekv as K
@@ -38,7 +43,8 @@ __all__ = ["parse_stream", "scenarios", "frozen_backbone", "task_data", "data_su
            "cache_path", "cached_states", "sequential_lora", "moe_experts", "lora_pool",
            "lora_matrix", "lora_baselines", "l2p_baseline", "results_table", "c3_summary",
            "selection_runs", "selection_table", "calibration_summary", "compute_matched_lora",
-           "diagnostics", "footprint", "slug"]
+           "diagnostics", "footprint", "slug", "PairScores", "pair_scores", "replay_stream",
+           "stream_figure"]
 
 
 # -- the stream and its data ---------------------------------------------------------------------
@@ -511,3 +517,174 @@ def footprint(results: dict, selection: dict, curve: list, budget: int):
     peaks = {k: max(b for _, b in tr) for k, tr in traces.items()}
     within = {k: peaks[k] <= limits[k] for k in traces}
     return traces, limits, peaks, within
+
+
+# -- the explorer: the byte budget over the stream ------------------------------------------------
+@dataclass
+class PairScores:
+    """Every answer score a stream with one retrieved entry per query can ask for, computed once:
+    the candidates of every task (in stream order), and per (example, entry) pair the answer's
+    log-likelihood and exact match, the last column without an entry (``NONE``)."""
+    cands: list                  # every candidate entry, task by task
+    anchor_lp: np.ndarray        # (candidates, candidates + 1): candidate a's own example | entry c
+    test_lp: dict                # task -> (tests, candidates + 1)
+    test_exact: dict             # task -> (tests, candidates + 1)
+
+    NONE = -1
+
+
+def _pair_tables(model, tok, cands: list, tests: dict, with_steps: bool) -> dict:
+    """The arrays of :class:`PairScores`: one :func:`K.answer_scores` call per entry and
+    example set, the last column without an entry."""
+    def table(examples):
+        cols = [K.answer_scores(model, tok, examples, [c], with_steps) for c in cands]
+        cols.append(K.answer_scores(model, tok, examples, None, with_steps))
+        return np.stack([lp for lp, _ in cols], 1), np.stack([ex for _, ex in cols], 1)
+
+    out = {"anchor_lp": table([c.example for c in cands])[0]}
+    for task, exs in tests.items():
+        out[f"lp/{task}"], out[f"exact/{task}"] = table(exs)
+    return out
+
+
+def pair_scores(model, tok, prepared: list, tests: dict, with_steps: bool,
+                backbone: str | None = None) -> PairScores:
+    """:class:`PairScores` of ``prepared`` (:func:`K.prepare`'s, one per task) and each task's
+    ``tests`` (the backbone is frozen, so they never change). With ``backbone`` (its
+    :func:`K.state_hash`) they are cached by it and every candidate's and test's tokens."""
+    cands = [c for P in prepared for c in P.cands]
+    tests = {P.task: tests[P.task] for P in prepared}
+    if backbone is None:
+        arrays = _pair_tables(model, tok, cands, tests, with_steps)
+    else:
+        spec = {"v": 1, "backbone": backbone, "with_steps": with_steps,
+                "cands": [c.ids for c in cands],
+                "tests": {t: [[e.prompt, e.completion(with_steps)] for e in exs]
+                          for t, exs in tests.items()}}
+        path = cache_path("pairs", spec)
+
+        def write(tmp):
+            np.savez(tmp / "pairs.npz", **_pair_tables(model, tok, cands, tests, with_steps))
+            return {"candidates": len(cands), "tasks": list(tests)}
+
+        cache.build(path, write)
+        with np.load(path / "pairs.npz") as f:
+            arrays = dict(f)
+    return PairScores(cands, arrays["anchor_lp"], {t: arrays[f"lp/{t}"] for t in tests},
+                      {t: arrays[f"exact/{t}"] for t in tests})
+
+
+def _unit(x) -> np.ndarray:
+    """``x`` scaled to [0, 1] (zeros when flat), as :func:`K.select` scales its terms."""
+    x = np.asarray(x, dtype=float)
+    span = x.max() - x.min() if len(x) else 0.0
+    return (x - x.min()) / span if span > 1e-12 else np.zeros_like(x)
+
+
+def _retention(ps: PairScores, col: dict, cands: list, mem) -> np.ndarray:
+    """:func:`K.retention` with one retrieved entry, from the lookups: minus the expected
+    answer-NLL increase on the stored entries (as queries) if a candidate joined the memory."""
+    anchors = mem.entries
+    if not anchors:
+        return np.zeros(len(cands))
+    rows = [col[id(a)] for a in anchors]
+    akeys = torch.stack([a.key for a in anchors])
+    sim = K.similarity(akeys, akeys, mem.calib).fill_diagonal_(-2)
+    now = [rows[int(sim[i].argmax())] if len(anchors) > 1 else ps.NONE for i in range(len(rows))]
+    lp_now = ps.anchor_lp[rows, now]
+    p = torch.softmax(torch.cat([K.similarity(akeys, torch.stack([c.key for c in cands]),
+                                              mem.calib), sim.clamp(min=-1)], 1) / 0.1,
+                      dim=1)[:, :len(cands)].numpy()
+    lp_c = ps.anchor_lp[np.ix_(rows, [col[id(c)] for c in cands])]
+    return -(p * np.maximum(0.0, lp_now[:, None] - lp_c)).mean(0)
+
+
+def _stage(ps: PairScores, col: dict, P, cands: list, mem, budget: int, t: int, mode: str,
+           weights, rng, calib_steps: int) -> None:
+    """One task of :func:`K.run_stream`: evict the old tasks to ``budget * t / (t + 1)``, select
+    the new task's entries (scores as the stream computes them), refit the calibration."""
+    mem.evict_to(int(budget * t / (t + 1)), where=f"task {t}: evict")
+    keys = torch.stack([e.key for e in mem.entries] + [c.key for c in cands])
+    labels = [e.task for e in mem.entries] + [P.task] * len(cands)
+    inner = K.fit_calibration(keys, labels, steps=calib_steps)
+    scores = {"likelihood": P.likelihood, "retention": np.zeros(len(cands))}
+    if mode == "bilevel":
+        scores["retention"] = _retention(ps, col, cands, K.Memory(K.Budget(budget),
+                                                                  list(mem.entries), inner))
+        sim = K.similarity(P.pool_keys, torch.stack([c.key for c in cands]), inner)
+        scores["coverage_sim"] = ((sim + 1) / 2).numpy()
+    reserve = 2 * cands[0].key.numel() * 4 if mem.calib is None else 0
+    chosen = K.select(cands, budget - mem.nbytes - reserve, scores, weights, mode, rng)
+    util = _unit(scores["likelihood"]) + _unit(scores["retention"])
+    for i in chosen:
+        cands[i].utility = float(util[i])
+        mem.add(cands[i], where=f"task {t}: add")
+    if mem.entries:
+        mem.refit(calib_steps, where=f"task {t}: calibrate")
+
+
+def replay_stream(ps: PairScores, prepared: list, qk: dict, budget: int, mode: str = "bilevel",
+                  weights=(1.0, 1.0, 1.0), seed: int = 0, calib_steps: int = 60) -> dict:
+    """:func:`K.run_stream` with one retrieved entry per query (``k = 1``, calibrated), its
+    answer scores read from ``ps`` instead of the backbone: the same memory, accuracy ``acc`` and
+    hit rate ``hit``, plus ``gain[t, j]`` (task j's mean answer log-likelihood gain from its
+    retrieved entry after task t, nats) and ``bytes``/``entries`` per task after each task.
+    ``qk``: the tests' query keys by task (the stream's ``query_cache``)."""
+    copies = [[replace(c, utility=0.0) for c in P.cands] for P in prepared]
+    col = {id(c): i for i, c in enumerate(c for cs in copies for c in cs)}
+    rng, T, mem = np.random.default_rng(seed), len(prepared), K.Memory(K.Budget(budget))
+    acc, hit, gain = (np.full((T, T), np.nan) for _ in range(3))
+    made = []
+    for t, (P, cands) in enumerate(zip(prepared, copies)):
+        _stage(ps, col, P, cands, mem, budget, t, mode, weights, rng, calib_steps)
+        made += [{"after": t, "task": Q.task,
+                  "entries": sum(e.task == Q.task for e in mem.entries),
+                  "bytes": sum(e.nbytes for e in mem.entries if e.task == Q.task)}
+                 for Q in prepared]
+        for j, Q in enumerate(prepared[: t + 1]):
+            got = K.retrieve(mem.entries, qk[Q.task], 1, mem.calib)
+            cols = [col[id(g[-1])] if g else ps.NONE for g in got]
+            rows = np.arange(len(cols))
+            acc[t, j] = ps.test_exact[Q.task][rows, cols].mean()
+            gain[t, j] = (ps.test_lp[Q.task][rows, cols] - ps.test_lp[Q.task][:, ps.NONE]).mean()
+            hit[t, j] = np.mean([bool(g) and g[-1].task == Q.task for g in got])
+    return {"acc": acc, "hit": hit, "gain": gain, "memory": mem, "trace": mem.budget.trace,
+            "made": pd.DataFrame(made)}
+
+
+def stream_figure(out: dict, tasks_: list, budget: int, mode: str):
+    """The explorer's picture of one replay: the memory's bytes per task after each task (the
+    budget and the eviction target marked, entry counts on the bars), each task's answer
+    log-likelihood gain from its retrieved entry, and the stage accuracy and hit rate."""
+    fig, (ax, bx, cx) = plots.subplots(1, 3, figsize=(15, 3.8))
+    made, T = out["made"], len(tasks_)
+    bottom = np.zeros(T)
+    for i, task in enumerate(tasks_):
+        rows = made[made.task == task].sort_values("after")
+        kib = rows["bytes"].to_numpy() / 1024
+        bars = ax.bar(range(T), kib, bottom=bottom, color=plots.PALETTE[i % 7], label=task)
+        ax.bar_label(bars, [str(n) if n else "" for n in rows["entries"]], label_type="center",
+                     fontsize=7, color="white")
+        bottom += kib
+    ax.axhline(budget / 1024, color="k", lw=1, label="budget")
+    ax.plot(range(T - 1), [budget * (t + 1) / (t + 2) / 1024 for t in range(T - 1)], "k_",
+            ms=40, mew=1.5, label="evicted down to, before the next task")
+    ax.set(xticks=range(T), xticklabels=[f"after {t}" for t in tasks_], ylabel="KiB in memory",
+           ylim=(0, 1.4 * budget / 1024),
+           title=f"memory at {budget // 1024} KiB, {mode} (entry counts on the bars)")
+    ax.legend(fontsize=7, ncol=2, loc="upper center")
+    for j, task in enumerate(tasks_):
+        bx.plot(range(j, T), out["gain"][j:, j], "o-", color=plots.PALETTE[j % 7], label=task)
+    bx.axhline(0, color="k", lw=0.8)
+    bx.set(xticks=range(T), xticklabels=[f"after {t}" for t in tasks_],
+           ylabel="answer log-likelihood gain (nats)", title="what the retrieved entry adds")
+    bx.legend(fontsize=7)
+    stage = [np.nanmean(out["acc"][t, : t + 1]) for t in range(T)]
+    cx.plot(range(T), stage, "o-", color=plots.PALETTE[0], label="exact match (seen tasks)")
+    cx.plot(range(T), [np.nanmean(out["hit"][t, : t + 1]) for t in range(T)], "s--",
+            color=plots.PALETTE[1], label="top-1 hit rate")
+    cx.set(xticks=range(T), xticklabels=[f"after {t}" for t in tasks_], ylim=(-0.05, 1.05),
+           ylabel="share of the seen tasks' queries",
+           title=f"average accuracy {np.mean(stage):.3f}")
+    cx.legend(fontsize=7)
+    return fig

@@ -15,7 +15,9 @@ What the notebook drives around the method (:mod:`workbench.methods.loss_signatu
 - the generate-then-filter baseline of curation cost (:func:`generate_then_filter`, judged by
   :func:`sequence_scores`);
 - the downstream students: cached ``peft`` LoRA SFT on a subset of the pool, scored by exact
-  match on held-out problems (:func:`student_accuracy`, :func:`subset_students`).
+  match on held-out problems (:func:`student_accuracy`, :func:`subset_students`);
+- the explorer: the difficulty proxy read at one fixed scale against the inflection point
+  (:func:`sigma_correlations`, :func:`sigma_figure`).
 """
 from __future__ import annotations
 
@@ -26,9 +28,10 @@ from functools import partial
 import numpy as np
 import pandas as pd
 import torch
+from scipy.stats import spearmanr
 from sklearn.decomposition import PCA
 
-from .. import evaluate
+from .. import evaluate, plots
 from ..data import packing, tasks
 from ..data.tasks import STEP_SEP
 from ..diagnostics import spearman_ci
@@ -37,7 +40,8 @@ from ..models import finetune
 
 __all__ = ["Trace", "draw_problems", "solver_traces", "model_traces", "teacher_pool",
            "pool_frame", "adapt", "pool_signatures", "difficulty_correlations", "signature_embedding",
-           "sequence_scores", "generate_then_filter", "student_accuracy", "subset_students"]
+           "sequence_scores", "generate_then_filter", "student_accuracy", "subset_students",
+           "sigma_correlations", "sigma_figure"]
 
 CACHE_GROUP = "loss-signature"      # cache.folder of the downstream students' LoRA fine-tunes
 
@@ -225,3 +229,55 @@ def subset_students(student: str, scale: str, traces: list[Trace], subsets: dict
     """:func:`student_accuracy` of one student per named subset of the traces, in order."""
     return {name: student_accuracy(student, scale, traces, idx, tok, test, sft, tag, device)[0]
             for name, idx in subsets.items()}
+
+
+# -- the explorer: one fixed scale against the inflection point ---------------------------------
+
+def sigma_correlations(sig, level, scales) -> pd.DataFrame:
+    """Per perturbation scale sigma: Spearman between the level and the mean (over directions)
+    loss at that sigma, the share of traces whose inflection point sigma* lies in [sigma, the
+    next sigma) (a curve with no sign change falls back to its steepest rise, see
+    :func:`workbench.methods.loss_signature.inflection`), and (every row) the Spearman of the
+    inflection-point loss itself."""
+    curves = np.asarray(sig).mean(1)                               # (traces, scales)
+    star = np.array([ls.inflection(scales, c)[0] for c in curves])
+    interval = np.clip(np.searchsorted(scales, star, side="right") - 1, 0, len(scales) - 1)
+    proxy = spearmanr(level, [ls.inflection(scales, c)[1] for c in curves])[0]
+    return pd.DataFrame({"sigma": scales,
+                         "spearman at sigma": [spearmanr(level, curves[:, j])[0]
+                                               for j in range(len(scales))],
+                         "share of inflection points": np.bincount(interval, minlength=len(scales))
+                         / len(curves),
+                         "spearman, inflection loss": proxy})
+
+
+def sigma_figure(table: pd.DataFrame, sig, pool: pd.DataFrame, sigma: float, fraction: float):
+    """Left: Spearman with the level of the loss at each fixed sigma, against the inflection
+    proxy's, with where the inflection points lie; ``sigma`` marked. Right: the loss at
+    ``sigma`` against the true level, one colour per teacher, with each teacher's mean over the
+    levels binned by quarters (the families' level grids differ)."""
+    fig, (a, b) = plots.subplots(1, 2, figsize=(12, 4))
+    edges = table.sigma.to_numpy()
+    a.bar(edges[:-1], table["share of inflection points"].iloc[:-1], width=np.diff(edges),
+          align="edge", color="0.85", ec="0.6", label="share of traces with σ* in the interval")
+    a.plot(table.sigma, table["spearman at sigma"], "o-", color=plots.PALETTE[0],
+           label="loss at a fixed σ")
+    a.axhline(table["spearman, inflection loss"].iloc[0], color=plots.PALETTE[1], ls="--",
+              label="loss at the inflection point σ*")
+    a.axvline(sigma, color="k", ls=":", lw=1)
+    a.set(xlabel="perturbation scale σ", ylabel="Spearman with the level / share",
+          title=f"Which σ reads difficulty ({fraction:.0%} of the tokens)")
+    a.legend(fontsize=7)
+    loss = np.asarray(sig).mean(1)[:, list(table.sigma).index(sigma)]
+    jit = np.random.default_rng(0).normal(0, 0.015, len(pool))
+    for i, t in enumerate(pool.teacher.unique()):
+        sel = (pool.teacher == t).values
+        b.scatter(pool.level[sel] + jit[sel], loss[sel], s=8, alpha=0.5, color=plots.PALETTE[i])
+        binned = np.round(pool.level.values[sel] * 4) / 4       # families' levels on one grid
+        m = pd.Series(loss[sel]).groupby(binned).mean()
+        b.plot(m.index, m.values, "-", color=plots.PALETTE[i], label=f"{t} (mean, levels binned)")
+    rho = table.loc[table.sigma == sigma, "spearman at sigma"].item()
+    b.set(xlabel="true difficulty (level within family, 0-1)", ylabel="mean masked loss (nats)",
+          title=f"Loss at σ = {sigma}: Spearman {rho:.2f}")
+    b.legend(fontsize=7)
+    return fig

@@ -19,7 +19,9 @@ What the notebook drives around the method (:mod:`workbench.methods.lqzo`):
 - C1's memory: the bytes a ZO step, inference and a backprop step hold, counted the same way
   (:class:`SavedForBackward`, :func:`memory_profile`);
 - two methods on the same held-out items: ``diagnostics.paired_bootstrap`` of their per-item
-  scores (:func:`paired`).
+  scores (:func:`paired`);
+- the explorer: one layer's gradient spectrum against a rank-``r`` law's estimates
+  (:func:`rank_view`, :func:`rank_figure`).
 """
 from __future__ import annotations
 
@@ -37,12 +39,14 @@ from ..diagnostics import paired_bootstrap
 from ..methods.lqzo import (CLIP, MIN_SCALE, Perturbation, directions, flat, near_square,
                             quantize, sample_batch, zo_estimate, zo_step)
 from ..models import vit
+from ..plots import subplots
 
 __all__ = ["lm_loss", "item_losses", "paired", "subset", "task_data",
            "width_losses", "heldout_scores", "true_gradient", "cosine", "energy_top",
            "gradient_spectrum", "estimator_quality", "linearized_quality", "forward_quality",
            "layer_quality", "quality_table", "best_time", "draw_times", "zo_finetune",
-           "vit_experiment", "tensor_bytes", "SavedForBackward", "memory_profile"]
+           "vit_experiment", "tensor_bytes", "SavedForBackward", "memory_profile",
+           "rank_view", "rank_figure"]
 
 
 # -- the task -----------------------------------------------------------------------------------
@@ -63,10 +67,8 @@ def item_losses(model, batch: dict) -> np.ndarray:
         return ((nll.double() * mask).sum(1) / mask.sum(1).clamp(min=1)).cpu().numpy()
 
 
-def paired(a, b, seed: int = 0) -> dict:
-    """``diagnostics.paired_bootstrap(a, b)``: the mean of ``a - b`` over the same items and its
-    95% interval (``{diff, low, high, n_items, n_seeds}``)."""
-    return paired_bootstrap(np.asarray(a), np.asarray(b), seed=seed)
+# the mean of ``a - b`` over the same items and its 95% interval (the notebook's ``ex.paired``)
+paired = paired_bootstrap
 
 
 def subset(batch: dict, idx) -> dict:
@@ -406,3 +408,47 @@ def memory_profile(model, scales: list[torch.Tensor], loss_fn, zo_fn) -> dict:
         for s in scales:
             s.grad = None
     return out
+
+
+# -- the explorer: the rank of the perturbation against one layer's gradient ------------------
+
+def rank_view(g: torch.Tensor, p: Perturbation, n: int, seed: int) -> dict:
+    """One layer's scale gradient ``g`` against the law ``p`` and QZO's full Gaussian: the
+    cumulative energy of its singular values as is and after the near-square reshape, and
+    :func:`linearized_quality` of ``n`` draws of each law (the same seed), ``D = g.numel()``."""
+    G = g.detach().cpu().double()
+    a, b = near_square(G.numel())
+
+    def cum(m):
+        e = torch.linalg.svdvals(m) ** 2
+        return (e.cumsum(0) / e.sum().clamp(min=1e-300)).numpy()
+    return {"D": G.numel(), "energy": cum(G), "energy_reshaped": cum(G.reshape(a, b)),
+            "law": linearized_quality([G], p, n, seed),
+            "qzo": linearized_quality([G], Perturbation("gaussian"), n, seed)}
+
+
+def rank_figure(view: dict, p: Perturbation, name: str):
+    """Left: the share of the gradient's energy in its top ``k`` directions, as is and reshaped,
+    the law's rank marked. Right: ``sqrt(D) |cos|`` of each estimate with the gradient, the law
+    against QZO, with ``D E[cos^2]`` (1 for any law with ``E[zz^T] = I``) and the squared error
+    over ``D``."""
+    fig, (a1, a2) = subplots(1, 2, figsize=(12, 3.8))
+    for key, label in (("energy", "as is"), ("energy_reshaped", "near-square reshape")):
+        e = view[key]
+        a1.plot(np.arange(1, len(e) + 1), e, "o-", ms=3, label=f"{label} ({len(e)} values)")
+    if p.rank:
+        a1.axvline(p.rank, color="k", lw=1, label=f"rank {p.rank}")
+    a1.set(xscale="log", xlabel="top k singular directions", ylim=(0, 1.02),
+           ylabel="share of ||G||^2", title=f"{name}: scale gradient {view['D']} entries")
+    a1.legend(fontsize=7)
+    D = view["D"]
+    for key, label in (("qzo", "QZO (full Gaussian)"), ("law", p.label)):
+        c = np.sqrt(D) * np.array(view[key]["cos"])
+        a2.hist(c, bins=40, range=(0, 4), histtype="step", lw=1.6, density=True,
+                label=f"{label}: D E[cos^2] {np.mean(c ** 2):.2f}, "
+                      f"sq err / D {np.mean(view[key]['sq_err']) / D:.2f}")
+    a2.axvline(np.sqrt(2 / np.pi), color="k", ls="--", lw=1, label="Gaussian mean sqrt(2/pi)")
+    a2.set(xlabel="sqrt(D) |cos(estimate, gradient)|", ylabel="density",
+           title=f"{len(view['law']['cos'])} exact directional-derivative estimates")
+    a2.legend(fontsize=7)
+    return fig

@@ -4,8 +4,9 @@ LM, :mod:`workbench.methods.nbdiff`).
 The mask checks of C1 (a table over block sizes and prompt offsets, and the 4D mask through the
 zoo's Llama), the training data (task problems and corpus rows), the three adaptation paths of C3
 trained once per seed and cached (:func:`workbench.cache.build`), the one-pass vs two-pass loss
-of C2, task accuracy of a decoder, and the parallel-decoding grid of C4 against the AR model's
-``generate``; for the explorer, one problem decoded with the pass that wrote each token, drawn
+of C2, task accuracy of a decoder, and the parallel-decoding grid of C4 (ours: a fixed number of tokens a pass, no cache; the
+reference's: confidence threshold, causal first token, KV cache) and tokens per second of the
+reference decoder against the AR model's cached ``generate``, like for like; for the explorer, one problem decoded with the pass that wrote each token, drawn
 under its block mask.
 """
 from __future__ import annotations
@@ -24,7 +25,8 @@ from ..models import zoo
 
 __all__ = ["GROUP", "mask_table", "mask_reaches_model", "problems", "training_rows",
            "SETTINGS", "adapted", "adapt_all", "one_vs_two_pass", "prompt_ids", "accuracy",
-           "parallel_grid", "ar_baseline", "decode_sample", "sample_figure"]
+           "parallel_grid", "ar_baseline", "threshold_grid", "ar_generate", "speed_compare",
+           "decode_sample", "sample_figure"]
 
 GROUP = "nbdiff"        # cache.folder("nbdiff"): the adapted models
 SETTINGS = ("n_corpus", "steps", "batch", "lr", "ar_weight", "final_block", "ctx")  # in the key
@@ -193,6 +195,59 @@ def ar_baseline(model, tok, examples, gen_len: int) -> tuple[float, float]:
     dt = time.time() - t0
     acc = float(np.mean([tasks.score(e, c.split("\n")[0]) for e, c in zip(examples, comps)]))
     return acc, len(examples) * gen_len / dt
+
+
+def threshold_grid(model, tok, prompts, examples, gen_len: int, mask_id: int, sizes=(1, 2, 4, 8),
+                   threshold: float = 0.9) -> pd.DataFrame:
+    """The reference decoder (:func:`~workbench.methods.nbdiff.decode_threshold`, KV cache) at
+    each block size: accuracy (first line of each completion), tokens per forward pass (the
+    prefill and the storing passes counted) and the passes."""
+    rows = {}
+    for size in sizes:
+        out, passes = nd.decode_threshold(model, prompts, gen_len, size, mask_id, threshold,
+                                          True, tok.pad_token_id)
+        comps = [tok.decode(o, skip_special_tokens=True).split("\n")[0] for o in out]
+        rows[size] = {"accuracy": float(np.mean([tasks.score(e, c) for e, c in zip(examples, comps)])),
+                      "tokens_per_pass": gen_len / passes, "passes": passes}
+    return pd.DataFrame(rows).T.rename_axis("block")
+
+
+def ar_generate(model, tok, prompts, gen_len: int) -> torch.Tensor:
+    """The AR model's greedy ``generate`` with its KV cache on the left-padded ``prompts`` (token
+    ids), exactly ``gen_len`` new tokens each (no early stop, as the diffusion decoder)."""
+    dev = next(model.parameters()).device
+    L = max(len(p) for p in prompts)
+    ids = torch.tensor([[tok.pad_token_id] * (L - len(p)) + p for p in prompts])
+    att = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids.to(dev), attention_mask=att.to(dev), do_sample=False,
+                             max_new_tokens=gen_len, min_new_tokens=gen_len, use_cache=True,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    return out[:, L:]
+
+
+def speed_compare(ar, model, tok, prompts, gen_len: int, size: int, mask_id: int,
+                  threshold: float = 0.9, repeats: int = 7) -> pd.DataFrame:
+    """Tokens per second, like for like: the AR model's cached :func:`ar_generate` and the
+    reference decoder with its cache at block ``size``, on the same prompts in one batch, the same
+    ``gen_len`` tokens each, timed in ``repeats`` interleaved pairs (after one untimed warm-up
+    of each). One row per repeat: both rates and their ratio (diffusion / AR)."""
+    def diffusion():
+        return nd.decode_threshold(model, prompts, gen_len, size, mask_id, threshold, True,
+                                   tok.pad_token_id)
+
+    def timed(f):
+        t0 = time.perf_counter()
+        f()
+        return len(prompts) * gen_len / (time.perf_counter() - t0)
+
+    ar_generate(ar, tok, prompts, gen_len), diffusion()
+    rows = []
+    for _ in range(repeats):
+        a = timed(lambda: ar_generate(ar, tok, prompts, gen_len))
+        d = timed(diffusion)
+        rows.append({"ar_tokens_per_s": a, "diffusion_tokens_per_s": d, "ratio": d / a})
+    return pd.DataFrame(rows)
 
 
 # -- the explorer: one problem decoded, under its mask ---------------------------------------------

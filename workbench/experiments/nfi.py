@@ -10,6 +10,7 @@ story of a spike (norm growth before, gradients back after).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -298,14 +299,22 @@ def gap_states(sweep: dict[str, np.ndarray]) -> np.ndarray:
     return np.where(sweep["grad_other"] == 0, 2, np.where(sweep["grad_y"] == 0, 1, 0))
 
 
-def gap_figure(gap: float, num_classes: int = 2, step: float = 0.01):
+@functools.lru_cache(maxsize=16)
+def _all_states(num_classes: int, step: float) -> np.ndarray:
+    """:func:`gap_states` of every dtype over the gaps 0..45 in ``step`` (cached: a move of the
+    explorer's gap redraws without sweeping again)."""
+    gaps = np.arange(0.0, 45.0, step)
+    return np.stack([gap_states(gap_sweep(name, num_classes, gaps)) for name in DTYPES])
+
+
+def gap_figure(gap: float, num_classes: int = 2, step: float = 0.025):
     """The explorer's picture (C1): left, for each dtype, where along the gap the correct-class
     gradient is exact, absorbed (exactly 0 while the others are not) or underflowed, with the
     analytic threshold ln(2/eps) + ln(C - 1) marked and a line at ``gap``; right, the gradients of
     the row at ``gap`` per dtype, the ones rounded to exactly 0 written as 0."""
     fig, (a0, a1) = plots.subplots(1, 2, figsize=(13, 3.6), width_ratios=[3, 2])
     gaps = np.arange(0.0, 45.0, step)
-    states = np.stack([gap_states(gap_sweep(name, num_classes, gaps)) for name in DTYPES])
+    states = _all_states(num_classes, step)
     cmap = ListedColormap([plots.PALETTE[2], plots.PALETTE[1], "0.8"])
     a0.imshow(states, aspect="auto", cmap=cmap, vmin=0, vmax=2, interpolation="nearest",
               extent=(gaps[0], gaps[-1], len(DTYPES) - 0.5, -0.5))

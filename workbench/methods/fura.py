@@ -23,7 +23,18 @@ bits (:class:`workbench.quant.QuantLinear`, round-to-nearest per group).
 
 We implement the reference's ``output_one_block`` layout (column blocks, one output block), in
 which ``L`` is the large core and ``R`` the small one, as the abstract describes; its
-``input_one_block`` and ``square`` layouts are not used here. The baselines, the cached
+``input_one_block`` and ``square`` layouts are not used here.
+
+Block counts. ``BTTLayer`` (``fura/btt_layer.py``) cuts the input into the closest factor pair
+``(n, b)`` (``_closest_factor_pair``), except where ``convert_linear_to_btt`` is called with
+``factorize_by_head``: then ``o_proj``'s input is cut by attention head, ``(num_heads,
+head_dim)``. The training scripts turn that on by default (``--blocktt_factorize_by_head``,
+``default=True``, in ``commonsense/src/finetune_blocktt.py`` and
+``qfura_commonsense/src/finetune_qfura.py``). In that function q/k/v get a head-wise *output*
+factorization too, which the ``output_one_block`` layout ignores (one output block), so only
+``o_proj`` changes. :func:`head_block_count` is that rule; ``apply_fura(..., by_head=True)``
+follows the script, ``by_head=False`` keeps the closest pair everywhere (at ``lm-base``'s width
+128 with 4 heads: ``o_proj`` in (4, 32) blocks by head, (8, 16) by the closest pair). The baselines, the cached
 fine-tunes and the cost measurement of notebook 16 live in :mod:`workbench.experiments.fura`.
 """
 from __future__ import annotations
@@ -35,7 +46,7 @@ from torch import nn
 
 from ..quant import QuantLinear, rtn
 
-__all__ = ["closest_factor_pair", "block_svd", "fura_parameters", "lora_parameters", "FuraLinear",
+__all__ = ["HEAD_SPLIT", "closest_factor_pair", "head_block_count", "block_svd", "fura_parameters", "lora_parameters", "FuraLinear",
            "target_linears", "apply_fura", "full_finetune", "quantize_linears", "dense_weights",
            "outside_span", "numerical_rank", "trainable"]
 
@@ -45,6 +56,21 @@ def closest_factor_pair(d: int) -> tuple[int, int]:
     block count: ``b ~ sqrt(d)``)."""
     n = max(a for a in range(1, int(math.isqrt(d)) + 1) if d % a == 0)
     return n, d // n
+
+
+HEAD_SPLIT = ("o_proj",)   # projections whose input the reference cuts by attention head
+
+
+def head_block_count(name: str, cols: int, num_heads: int | None, by_head: bool = True) -> int:
+    """The column-block count of the projection ``name`` with ``cols`` in-features: the number of
+    attention heads for ``o_proj`` when ``by_head`` (the reference's ``factorize_by_head`` in
+    ``convert_linear_to_btt``, ``fura/btt_layer.py``: input factorization ``(num_heads,
+    head_dim)``), else the closest factor pair's ``n``."""
+    if by_head and num_heads and name.split(".")[-1] in HEAD_SPLIT:
+        if cols % num_heads:
+            raise ValueError(f"{name}: {cols} in-features do not split into {num_heads} heads")
+        return num_heads
+    return closest_factor_pair(cols)[0]
 
 
 def block_svd(w: torch.Tensor, n: int):
@@ -155,15 +181,23 @@ def target_linears(model: nn.Module, targets) -> list[str]:
 
 
 def apply_fura(model: nn.Module, targets, blocks: int | None = None,
-               core_bits: int | None = None, group_size: int = 32) -> list[str]:
+               core_bits: int | None = None, group_size: int = 32,
+               by_head: bool = False) -> list[str]:
     """Replace every target linear of ``model`` in place by a :class:`FuraLinear` and freeze
     everything but the ``S`` and ``R`` cores. ``blocks``: column blocks per layer (None: the
-    closest factor pair; 1: the full-SVD, frozen-U variant). Returns the replaced names."""
+    closest factor pair, and with ``by_head`` one block per attention head for ``o_proj``, as
+    the reference's training scripts, :func:`head_block_count`, heads read from
+    ``model.config.num_attention_heads``; 1: the full-SVD, frozen-U variant). Returns the
+    replaced names."""
     for p in model.parameters():
         p.requires_grad_(False)
+    heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
     names = target_linears(model, targets)
-    return _replace(model, names, lambda m: FuraLinear.from_linear(
-        m, None if blocks is None else min(blocks, m.in_features), core_bits, group_size))
+    mods = dict(model.named_modules())
+    count = {id(mods[n]): head_block_count(n, mods[n].in_features, heads, by_head)
+             if blocks is None else min(blocks, mods[n].in_features) for n in names}
+    return _replace(model, names, lambda m: FuraLinear.from_linear(m, count[id(m)], core_bits,
+                                                                   group_size))
 
 
 def full_finetune(model: nn.Module, targets) -> list[str]:

@@ -22,6 +22,18 @@ discrete form of bd3lms' ``-(1/t) log p(x0 | x_t)``), an upper bound on the NLL 
 The AR shift is kept (as DiffuLLaMA does): the token at position ``i`` is predicted from the
 output at ``i - 1``; for the first token of a block that output is the clean context's last one
 (:func:`shifted_logits`), so at block size 1 every prediction is the AR model's own.
+
+Decoding, two variants. :func:`decode_threshold` is the reference's (YuchuanTian/NBDiff
+``generation_utils.py``, ``diffusion_generate`` with ``alg="confidence_threshold"``, greedy):
+a prefill pass writes the first generated token (the causal prediction); in each block every
+pass commits the most confident masked token plus every masked token whose top probability is
+above ``threshold`` (0.9, :func:`threshold_commit`); a committed block is then run once more
+causally, which stores its keys and values in the cache (the reference's ``BlockDynamicCache``
+with ``skip_cache_update=False``) and whose last output writes the next block's first token.
+Denoising passes see the cache but do not extend it (the reference concatenates without
+storing; here the cache is cropped back, ``DynamicCache.crop``). :func:`decode` is ours:
+a fixed ``per_pass`` tokens a pass, no causal first token, the whole sequence recomputed every
+pass (no cache).
 """
 from __future__ import annotations
 
@@ -29,11 +41,12 @@ import math
 
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
 
 __all__ = ["EPS", "PATHS", "block_ids", "block_mask", "parallel_mask", "additive", "add_mask_token",
            "p_mask", "noise", "shifted_logits", "diffusion_loss", "one_pass", "two_pass", "ar_loss",
            "curriculum", "anneal_fraction", "annealed_parallel_mask", "nelbo_ppl", "task_rows",
-           "train_step_loss", "adapt", "decode", "nelbo"]
+           "train_step_loss", "adapt", "decode", "threshold_commit", "decode_threshold", "nelbo"]
 
 EPS = 1e-3          # LLaDA's floor on p_mask
 
@@ -273,13 +286,9 @@ def adapt(model, x0, start, path: str, steps: int, final: int, mask_id: int, lr:
 
 
 @torch.no_grad()
-def decode(model, prompt_ids: list[list[int]], gen_len: int, size: int, per_pass: int,
-           mask_id: int, context_causal: bool = True, pad_id: int = 0):
-    """Block-diffusion decoding: blocks of ``size`` left to right; in each forward pass the
-    ``per_pass`` most confident masked tokens of the current block are committed (greedy).
-    The whole sequence is recomputed every pass (no KV cache). Prompts are left-padded (pad
-    columns masked). Returns ``(generated ids (B, gen_len), forward passes)``."""
-    dev = next(model.parameters()).device
+def _left_padded(prompt_ids: list[list[int]], gen_len: int, mask_id: int, pad_id: int):
+    """``(x, L, pad counts, columns, positions)``: the prompts left-padded to the longest ``L``,
+    then ``gen_len`` masks; positions count from each prompt's first token."""
     B, L = len(prompt_ids), max(len(p) for p in prompt_ids)
     x = torch.full((B, L + gen_len), mask_id, dtype=torch.long)
     padn = torch.tensor([L - len(p) for p in prompt_ids])
@@ -287,7 +296,17 @@ def decode(model, prompt_ids: list[list[int]], gen_len: int, size: int, per_pass
         x[b, :L - len(p)] = pad_id
         x[b, L - len(p):L] = torch.tensor(p)
     cols = torch.arange(L + gen_len)
-    pos = (cols[None] - padn[:, None]).clamp(min=0)
+    return x, L, padn, cols, (cols[None] - padn[:, None]).clamp(min=0)
+
+
+def decode(model, prompt_ids: list[list[int]], gen_len: int, size: int, per_pass: int,
+           mask_id: int, context_causal: bool = True, pad_id: int = 0):
+    """Block-diffusion decoding: blocks of ``size`` left to right; in each forward pass the
+    ``per_pass`` most confident masked tokens of the current block are committed (greedy).
+    The whole sequence is recomputed every pass (no KV cache). Prompts are left-padded (pad
+    columns masked). Returns ``(generated ids (B, gen_len), forward passes)``."""
+    dev = next(model.parameters()).device
+    x, L, padn, cols, pos = _left_padded(prompt_ids, gen_len, mask_id, pad_id)
     passes = 0
     for s in range(L, L + gen_len, size):
         e = min(s + size, L + gen_len)
@@ -296,7 +315,7 @@ def decode(model, prompt_ids: list[list[int]], gen_len: int, size: int, per_pass
         ctx = torch.arange(s) if context_causal else torch.cat(
             [torch.arange(L) - L, torch.div(torch.arange(s - L), size, rounding_mode="floor")])
         ids = torch.cat([ctx, torch.full((e - s,), 10 ** 6)])
-        m = block_mask(ids)[None].expand(B, n, n).clone()
+        m = block_mask(ids)[None].expand(len(prompt_ids), n, n).clone()
         m &= (cols[None, :n] >= padn[:, None])[:, None, :]          # pads are never seen
         m |= torch.eye(n, dtype=torch.bool)[None]                  # every row sees itself
         while (x[:, s:e] == mask_id).any():
@@ -313,6 +332,70 @@ def decode(model, prompt_ids: list[list[int]], gen_len: int, size: int, per_pass
             blk = x[:, s:e]
             blk[pick] = tokv[pick]
             x[:, s:e] = blk
+    return x[:, L:], passes
+
+
+def threshold_commit(conf: torch.Tensor, still: torch.Tensor, threshold: float = 0.9):
+    """Which masked positions a pass commits (``diffusion_generate``, ``confidence_threshold``):
+    per row the most confident masked one plus every masked one whose confidence is above
+    ``threshold``. ``conf`` (B, k) top-token probabilities, ``still`` (B, k) still masked."""
+    c = conf.masked_fill(~still, -float("inf"))
+    top = torch.zeros_like(still).scatter(1, c.argmax(1, keepdim=True), True)
+    return (top | (c > threshold)) & still
+
+
+def _run(model, x, pos, seen, s: int, e: int, bidir: bool, cache):
+    """Logits (B, e - s, V) of rows ``s..e-1``: keys ``0..e-1``, causal, the rows ``s..e-1``
+    among themselves bidirectional when ``bidir``, pad keys never seen. With a ``cache`` (holding
+    keys ``0..s-1``) only ``x[:, s:e]`` is run; else the whole prefix is recomputed."""
+    dev = next(model.parameters()).device
+    q0 = s if cache is not None else 0
+    i, j = torch.arange(q0, e)[:, None], torch.arange(e)[None]
+    m = (j <= i) | ((i >= s) & (j >= s) & bidir)
+    m = (m[None] & seen[:, None, :e]) | (i == j)[None]
+    kw = {"cache": cache, "use_cache": True} if cache is not None else {}
+    out = model(input_ids=x[:, q0:e].to(dev), attention_mask=additive(m).to(dev),
+                position_ids=pos[:, q0:e].to(dev), **kw).logits[:, s - q0:]
+    return out.float().cpu()
+
+
+def _greedy(logits: torch.Tensor, mask_id: int):
+    """(confidence, token) of greedy decoding with the mask token never chosen."""
+    logits = logits.clone()
+    logits[..., mask_id] = -float("inf")
+    return logits.softmax(-1).max(-1)
+
+
+@torch.no_grad()
+def decode_threshold(model, prompt_ids: list[list[int]], gen_len: int, size: int, mask_id: int,
+                     threshold: float = 0.9, use_cache: bool = True, pad_id: int = 0):
+    """The reference decoder (YuchuanTian/NBDiff ``generation_utils.py``, ``diffusion_generate``,
+    ``alg="confidence_threshold"``, temperature 0, one small block): the prompt's causal pass
+    writes the first token; each block is denoised by :func:`threshold_commit` passes (block
+    bidirectional, committed context causal, AR shift inside the block), then run causally once
+    to store its keys and values (``use_cache``) and write the next block's first token from its
+    last output. ``use_cache=False`` recomputes the prefix in every pass (same tokens, for tests).
+    Departures: the mask token is never chosen; a last partial block is allowed; the last block's
+    storing pass is skipped (it writes nothing); no stop at ``<eos>``. Prompts left-padded.
+    Returns ``(generated ids (B, gen_len), forward passes including the prefill)``."""
+    x, L, padn, cols, pos = _left_padded(prompt_ids, gen_len, mask_id, pad_id)
+    seen = cols[None] >= padn[:, None]
+    cache = DynamicCache() if use_cache else None
+    x[:, L] = _greedy(_run(model, x, pos, seen, 0, L, False, cache)[:, -1], mask_id)[1]
+    passes = 1
+    for s in range(L, L + gen_len, size):
+        e = min(s + size, L + gen_len)
+        while (x[:, s + 1:e] == mask_id).any():
+            conf, tokv = _greedy(_run(model, x, pos, seen, s, e, True, cache)[:, :-1], mask_id)
+            passes += 1
+            if cache is not None:
+                cache.crop(s - e)           # drop the block: the cache holds 0..s-1 again
+            still = x[:, s + 1:e] == mask_id
+            pick = threshold_commit(conf, still, threshold)
+            x[:, s + 1:e] = torch.where(pick, tokv, x[:, s + 1:e])
+        if e < L + gen_len:
+            x[:, e] = _greedy(_run(model, x, pos, seen, s, e, False, cache)[:, -1], mask_id)[1]
+            passes += 1
     return x[:, L:], passes
 
 
