@@ -31,6 +31,21 @@ def test_check_names_a_missing_a_mislabelled_and_a_stale_entry(tmp_path):
     assert "lm-old-smoke-1234567890: shipped but no recipe has this key" in problems
 
 
+def test_ship_touches_nothing_when_an_entry_is_not_built(tmp_path, monkeypatch):
+    # an unbuilt entry used to leave the shipped zoo half replaced
+    shipped_root, cache_root = tmp_path / "shipped", tmp_path / "cache"
+    old = shipped_root / "lm-old-smoke-1234567890"
+    old.mkdir(parents=True)
+    (old / "card.json").write_text("{}")
+    monkeypatch.setenv("WORKBENCH_CACHE", str(cache_root))
+    first_rel, _ = next(iter(shipped.entries().values()))     # built; the others are not
+    (zoo.zoo_dir() / first_rel).mkdir(parents=True)
+    (zoo.zoo_dir() / first_rel / "card.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="workbench zoo build"):
+        shipped.ship(shipped_root)
+    assert [p.name for p in shipped_root.iterdir()] == ["lm-old-smoke-1234567890"]
+
+
 def test_the_shipped_zoo_stays_small():
     assert shipped.size_bytes() < 60e6
 

@@ -77,11 +77,12 @@ def ship(root: Path | None = None) -> list[str]:
     Raises when an entry is not built locally (build it first)."""
     root = Path(root or cache.shipped_root())
     wanted, done = entries(), []
-    for name, (rel, _) in wanted.items():
+    for name, (rel, _) in wanted.items():      # all built, or nothing shipped is touched
         src = zoo.zoo_dir() / rel
         if not (src / "card.json").exists():
             raise FileNotFoundError(f"{name} is not built at {src}: `workbench zoo build {name}`")
-        dst = root / rel
+    for name, (rel, _) in wanted.items():
+        src, dst = zoo.zoo_dir() / rel, root / rel
         shutil.rmtree(dst, ignore_errors=True)
         for f in sorted(src.rglob("*")):
             if f.is_file() and f.name in FILES:
