@@ -6,7 +6,8 @@ matplotlib.use("Agg")
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
-from matplotlib.collections import PolyCollection  # noqa: E402
+from matplotlib.collections import EllipseCollection, PolyCollection  # noqa: E402
+from matplotlib.patches import Rectangle  # noqa: E402
 
 from workbench import plots  # noqa: E402
 
@@ -106,12 +107,33 @@ def test_plotly_twin_redraws_lines_and_points_and_refuses_what_it_cannot_carry()
     assert list(bar.x) == [1, 2] and list(bar.y) == [3, 4] and bar.name == "acc"
     assert twin.layout.yaxis2.autorange == "reversed"
     plt.close(fig)
-    for draw in (lambda ax: ax.pcolormesh(np.ones((2, 2))), lambda ax: ax.axvspan(0, 1)):
-        fig, ax = plt.subplots()
-        ax.plot([1, 2], [1, 2])
-        draw(ax)
-        assert plots.plotly_twin(fig) is None       # a twin would leave the mesh or span out
-        plt.close(fig)
+    # a mesh, a span, a rectangle and segments come along too, in data coordinates
+    fig, ax = plt.subplots()
+    ax.plot([0, 4], [0, 4])
+    ax.pcolormesh([0, 1, 2], [0, 1, 3], np.arange(4).reshape(2, 2))
+    ax.axvspan(1, 2, color="red", alpha=0.3, label="window")
+    ax.add_patch(Rectangle((3, 0.5), 0.5, 1, fill=False, ec="red"))
+    ax.vlines([0.5, 3.5], 0, 1)
+    ax.set_ylim(0, 4)
+    twin = plots.plotly_twin(fig)
+    mesh = [t for t in twin.data if type(t).__name__ == "Heatmap"][0]
+    assert list(mesh.x) == [0.5, 1.5] and list(mesh.y) == [0.5, 2.0]
+    assert mesh.z.tolist() == [[0, 1], [2, 3]]
+    span = [t for t in twin.data if t.name == "window"][0]
+    assert (min(span.x), max(span.x), min(span.y), max(span.y)) == pytest.approx((1, 2, 0, 4))
+    assert span.fill == "toself"
+    lines = [t for t in twin.data if type(t).__name__ == "Scatter" and t.mode == "lines"]
+    rect = [t for t in lines if t.fill is None and None not in t.x and len(t.x) > 2][-1]
+    assert (min(rect.x), max(rect.x), min(rect.y), max(rect.y)) == pytest.approx((3, 3.5, 0.5, 1.5))
+    seg = [t for t in lines if None in t.x][0]
+    assert [None if v is None else round(v, 9) for v in seg.x] == [0.5, 0.5, None, 3.5, 3.5, None]
+    assert list(seg.y)[:2] == pytest.approx([0, 1])
+    plt.close(fig)
+    # what it cannot carry still gives no twin
+    fig, ax = plt.subplots()
+    ax.add_collection(EllipseCollection([1], [1], [0], offsets=[(0, 0)], offset_transform=ax.transData))
+    assert plots.plotly_twin(fig) is None
+    plt.close(fig)
 
 
 def test_savefig_shows_the_twin_only_in_a_live_session(tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import plotly.graph_objects as go
 from cycler import cycler
-from matplotlib.collections import PathCollection, PolyCollection
+from matplotlib.collections import LineCollection, PathCollection, PolyCollection, QuadMesh
 from matplotlib.container import BarContainer
 from matplotlib.colors import to_hex
 from IPython.display import display
@@ -188,11 +188,13 @@ def _bar_patches(ax) -> set:
 
 
 def _axes_drawable(ax) -> bool:
-    """Whether plotly can redraw ``ax`` faithfully: lines, scatter points, bars, filled bands
-    and images; anything else (a mesh, a free patch such as a span) would be left out."""
-    bars = _bar_patches(ax)
-    return all(id(p) in bars for p in ax.patches) and all(
-        isinstance(c, (PathCollection, PolyCollection)) for c in ax.collections)
+    """Whether plotly can redraw ``ax`` faithfully: lines, scatter points, bars, filled bands,
+    images, meshes, segments (``vlines``, error bars) and free patches (spans, rectangles);
+    anything else (a 3-D surface, a custom collection) would be left out."""
+    return all(isinstance(c, _DRAWN_COLLECTIONS) for c in ax.collections)
+
+
+_DRAWN_COLLECTIONS = (PathCollection, PolyCollection, QuadMesh, LineCollection)
 
 
 def _label(artist) -> tuple[str, bool]:
@@ -252,11 +254,60 @@ def _scatter_trace(coll):
                       marker=dict(color=to_hex(colors[0]) if len(colors) else None))
 
 
+def _in_data(ax, artist, xy):
+    """Points ``xy`` of ``artist`` (in its own transform: data, axes or blended, as a span's)
+    in ``ax``'s data coordinates, as they are drawn now."""
+    return ax.transData.inverted().transform(artist.get_transform().transform(xy))
+
+
+def _patch_trace(ax, patch):
+    """A free patch (``axvspan``, ``axhspan``, ``Rectangle``, ``Polygon``) as its outline,
+    filled where the patch is."""
+    xy = _in_data(ax, patch, patch.get_path().vertices)
+    name, show = _label(patch)
+    fill = patch.get_fill()
+    face, edge = patch.get_facecolor(), patch.get_edgecolor()
+    return go.Scatter(x=list(xy[:, 0]), y=list(xy[:, 1]), mode="lines", name=name,
+                      showlegend=show, hoverinfo="skip", fill="toself" if fill else None,
+                      fillcolor=_rgba(to_hex(face), float(face[3])) if fill else None,
+                      line=dict(color=to_hex(edge if edge[3] > 0 else face), width=1))
+
+
+def _mesh_trace(mesh):
+    """A ``pcolormesh`` as a heatmap at its cells' centres."""
+    corners = np.asarray(mesh.get_coordinates())           # (rows + 1, cols + 1, 2)
+    centres = (corners[:-1, :-1] + corners[1:, 1:]) / 2
+    z = np.asarray(mesh.get_array()).reshape(centres.shape[:2])
+    return go.Heatmap(z=z, x=list(centres[0, :, 0]), y=list(centres[:, 0, 1]),
+                      colorscale="Viridis", showscale=False)
+
+
+def _segments_trace(ax, coll):
+    """Line segments (``vlines``, ``hlines``, error bars) as one trace broken between them."""
+    xs, ys = [], []
+    for path in coll.get_paths():
+        v = _in_data(ax, coll, path.vertices)
+        xs += list(v[:, 0]) + [None]
+        ys += list(v[:, 1]) + [None]
+    name, show = _label(coll)
+    colors = coll.get_colors()
+    return go.Scatter(x=xs, y=ys, mode="lines", name=name, showlegend=show,
+                      line=dict(color=to_hex(colors[0]) if len(colors) else None))
+
+
+def _collection_trace(ax, coll):
+    if isinstance(coll, QuadMesh):
+        return _mesh_trace(coll)
+    if isinstance(coll, LineCollection):
+        return _segments_trace(ax, coll)
+    return _band_trace(coll) if isinstance(coll, PolyCollection) else _scatter_trace(coll)
+
+
 def plotly_twin(fig):
-    """A plotly figure redrawing the matplotlib ``fig``'s lines, scatter points, bars, bands and
-    images with axis labels, log scales and titles, one subplot per visible axes at its grid
-    place (colour bars left out); ``None`` when an axes holds anything else (a mesh, a span), so
-    a twin never silently leaves a part out."""
+    """A plotly figure redrawing the matplotlib ``fig``'s lines, scatter points, bars, bands,
+    images, meshes, segments and free patches (spans, rectangles) with axis labels, log scales
+    and titles, one subplot per visible axes at its grid place (colour bars and text left out);
+    ``None`` when an axes holds anything else, so a twin never silently leaves a part out."""
     axes = [ax for ax in fig.axes if ax.get_visible() and ax.get_subplotspec() is not None
             and not hasattr(ax, "_colorbar")]
     if not axes or not all(_axes_drawable(ax) for ax in axes):
@@ -268,9 +319,10 @@ def plotly_twin(fig):
         spec = ax.get_subplotspec()
         r, c = spec.rowspan.start + 1, spec.colspan.start + 1
         traces = [_image_trace(im) for im in ax.images]
-        traces += [_band_trace(cl) if isinstance(cl, PolyCollection) else _scatter_trace(cl)
-                   for cl in ax.collections]
+        traces += [_collection_trace(ax, cl) for cl in ax.collections]
         traces += [_bar_trace(b) for b in ax.containers if isinstance(b, BarContainer)]
+        bars = _bar_patches(ax)
+        traces += [_patch_trace(ax, p) for p in ax.patches if id(p) not in bars]
         traces += [_line_trace(ln) for ln in ax.get_lines()]
         for t in traces:
             twin.add_trace(t, row=r, col=c)
