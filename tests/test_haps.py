@@ -249,3 +249,25 @@ def test_answer_logprob_is_the_sum_of_the_sampled_tokens_log_probs(models, arch)
                 want += float(H.top_p_logprobs(m(input_ids=ids).logits[0, -1], 1.0, 0.9)[t])
             ids = torch.cat([ids, torch.tensor([[t]])], 1)
         assert lp[i].item() == pytest.approx(want, abs=1e-4)
+
+
+def test_rl_step_trains_generators_and_top_but_not_the_router_head(models):
+    # utils.route runs under no_grad: in rl_batch.rl_train the routing choice gets no gradient;
+    # the generators' loss reaches the router only through its shared part (here the top)
+    from workbench.data import tasks
+    ex = tasks.generate("reverse", 6, 0)
+    tok = _char_tokenizer("".join(e.prompt + e.completion() for e in ex))
+    small = {n: models[n] for n in ("gpt2", "qwen2")}
+    dims = {n: H.official_targets(m)[0][2:] for n, m in small.items()}
+    torch.manual_seed(0)
+    ref = H.RefHAPS(list(small), dims, 12, rank=2)
+    h, s = torch.randn(6, 12), H.RefSettings(rank=2, batch=6)
+    loss, score, choice = H.rl_step_loss(ref, small, {n: tok for n in small}, ex, None, h,
+                                         torch.arange(6), s, torch.Generator().manual_seed(0),
+                                         {n: 4 for n in small})
+    assert score == 0.0 and loss.item() < 0     # every reward -1: loss = mean log p, pushed down
+    loss.backward()
+    assert ref.router.weight.grad is None
+    assert ref.tops["shared"].weight.grad.abs().sum() > 0
+    used = ref.gens[ref.names[int(choice[0])]]
+    assert used.out_A.weight.grad.abs().sum() > 0
