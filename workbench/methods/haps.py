@@ -529,7 +529,7 @@ def sft_router(ref: RefHAPS, h: torch.Tensor, labels: torch.Tensor, steps: int, 
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-    return float(loss)
+    return loss.item()
 
 
 def rl_step_loss(ref, models, toks, examples, pairs, h, idx, s, g, max_new):
