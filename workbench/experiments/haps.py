@@ -7,8 +7,11 @@ and the training loop) is :mod:`workbench.methods.haps`. Here is what the notebo
 - :func:`benchmark`, :func:`static_scores`, :func:`bench_table`: a mixed benchmark of task
   families and every candidate's greedy exact match and answer loss on it as a static model,
   computed once and cached (:func:`workbench.cache.build`);
-- :func:`cached_haps`: one HAPS training (or an ablation), cached with each candidate's test
-  exact match under its generated LoRA (:func:`adapted_completions`);
+- :func:`router_states`: the frozen router LM's pooled state of every query;
+- :func:`cached_ref_haps`: one training of HAPS as the official code structures it
+  (:class:`~workbench.methods.haps.RefHAPS`, or one of its ablations), and :func:`cached_haps`:
+  one training of our earlier n-gram method (the ablation row), each cached with each candidate's
+  test exact match under its generated LoRA (:func:`adapted_completions`);
 - :func:`generated_lora_check`: C1, the generated factors against the adapted projections' shapes
   and against ``peft`` with the same A, B;
 - :class:`StaticRouter`, :func:`train_static_router`, :func:`routing_scores`: the baselines of C2
@@ -34,7 +37,7 @@ from ..data import packing, tasks
 from ..methods import haps as H
 from ..models import zoo
 
-__all__ = ["GROUP", "benchmark", "encode", "max_new_tokens", "teacher_forced", "static_scores",
+__all__ = ["GROUP", "router_states", "cached_ref_haps", "benchmark", "encode", "max_new_tokens", "teacher_forced", "static_scores",
            "bench_table", "adapted_completions", "cached_haps", "generated_lora_check",
            "StaticRouter", "train_static_router", "routing_scores", "n_params", "best_of",
            "latency", "summary", "two_level_table"]
@@ -123,8 +126,9 @@ def bench_table(correct: np.ndarray, families: np.ndarray, fams: list[str],
 def adapted_completions(model, tok, haps: H.HAPS, name: str, prompts: list[str],
                         x: torch.Tensor, scale: float, max_new_tokens: int,
                         batch: int = 64) -> list[str]:
-    """Greedy completions of candidate ``name`` with each prompt's own generated LoRA."""
-    mods = [m for _, m, _, _ in H.target_modules(model)]
+    """Greedy completions of candidate ``name`` with each prompt's own generated LoRA (on the
+    modules that ``haps`` adapts, ``haps.modules_of``)."""
+    mods = [m for _, m, _, _ in haps.modules_of(model)]
     device = next(model.parameters()).device
     outs = []
     with torch.no_grad():
@@ -178,19 +182,73 @@ def cached_haps(names, zoo_scale: str, models: dict, toks: dict, train, test,
     return haps.to(device).eval(), info
 
 
+def router_states(encoder: str, zoo_scale: str, splits: dict, device="cpu") -> dict:
+    """The frozen router LM ``encoder`` and its mean-pooled last hidden state of every prompt
+    (:func:`~workbench.methods.haps.pooled_state`), per split: ``{"model", "tok", split: (n, d)}``."""
+    model, tok = zoo.load(encoder, zoo_scale, device=str(device))
+    model.requires_grad_(False).eval()
+    out = {"model": model, "tok": tok}
+    for split, ex in splits.items():
+        out[split] = H.pooled_state(model, tok, [e.prompt for e in ex])
+    return out
+
+
+def cached_ref_haps(names, zoo_scale: str, models: dict, toks: dict, train, test,
+                    labels: torch.Tensor, s: H.RefSettings, encoder: str, h_tr: torch.Tensor,
+                    h_te: torch.Tensor, device="cpu"):
+    """A trained :class:`~workbench.methods.haps.RefHAPS` (the reference's structure on the
+    router LM ``encoder``'s pooled states ``h_tr``, ``h_te``) and its record, as
+    :func:`cached_haps`: trained once, cached by the candidates' and the encoder's recipe keys,
+    the settings and the prompts."""
+    dims = {n: H.official_targets(models[n], s.layers)[0][2:] for n in names}
+    key = cache.key([zoo.recipe(n).key(zoo_scale) for n in names + [encoder]], asdict(s),
+                    [e.prompt for e in train], [e.prompt for e in test])
+    path = cache.folder(GROUP) / f"ref-{'shared' if s.shared else 'separate'}-{s.objective}-{zoo_scale}-{key}"
+
+    def make():
+        return H.RefHAPS(names, dims, h_tr.shape[1], s.rank, s.layers, s.shared, s.d_hidden,
+                         s.n_layers)
+
+    def build(tmp):
+        t0 = time.time()
+        torch.manual_seed(s.seed)
+        ref = make().to(device)
+        ws = {n: zoo.recipe(n).with_steps for n in names}
+        pairs = {n: encode(toks[n], train, ws[n]) for n in names}
+        mx = {n: max_new_tokens(toks[n], train, ws[n]) for n in names}
+        log = H.train_reference(ref, models, toks, train, pairs, h_tr.to(device), labels.to(device),
+                                mx, s)
+        seconds = time.time() - t0
+        adapted = {}
+        for n in names:
+            comps = adapted_completions(models[n], toks[n], ref.eval(), n, [e.prompt for e in test],
+                                        h_te, s.alpha, max_new_tokens(toks[n], test, ws[n]))
+            adapted[n] = [tasks.score(e, c) for e, c in zip(test, comps)]
+        torch.save(ref.cpu().state_dict(), tmp / "haps.pt")
+        return {"train_seconds": round(seconds, 1), "log": log, "adapted_test": adapted,
+                "settings": asdict(s)}
+
+    cache.build(path, build)
+    ref = make()
+    ref.load_state_dict(torch.load(path / "haps.pt"))
+    info = json.loads((path / "done.json").read_text())
+    return ref.to(device).eval(), info
+
+
 # -- C1: the generated factors are a LoRA of the chosen architecture ------------------------------
 
-def generated_lora_check(haps: H.HAPS, models: dict, toks: dict, probe: list, rank: int,
-                         feat_dim: int, scale: float, device, per_candidate: int = 3) -> pd.DataFrame:
+def generated_lora_check(haps, models: dict, toks: dict, probe: list, x_probe: torch.Tensor,
+                         rank: int, scale: float, device, per_candidate: int = 3) -> pd.DataFrame:
     """Per candidate and the first ``per_candidate`` probe queries: whether the generated A, B
     have the adapted projections' shapes, the largest |hooked - peft| logit with the same A, B,
     the largest change against the static candidate, and how much Delta W = B A varies across
-    the probe queries (relative)."""
+    the probe queries (relative). ``x_probe``: the probe queries' router input (features or
+    pooled states); ``haps``: either structure (its ``modules_of`` names the adapted modules)."""
     rows = []
-    x_probe = H.prompt_features([e.prompt for e in probe], feat_dim).to(device)
+    x_probe = x_probe.to(device)
     with torch.no_grad():
         for n, model in models.items():
-            mods = H.target_modules(model)
+            mods = haps.modules_of(model)
             facs = haps.lora(x_probe, n)
             shapes_ok = all(A.shape == (len(probe), rank, i) and B.shape == (len(probe), o, rank)
                             for (_, _, i, o), (A, B) in zip(mods, facs))
@@ -273,9 +331,10 @@ def best_of(fn, reps: int = 3) -> float:
     return min(ts)
 
 
-def latency(haps: H.HAPS, models: dict, toks: dict, queries: list, feat_dim: int, scale: float,
+def latency(haps, models: dict, toks: dict, queries: list, featurize, scale: float,
             device) -> pd.DataFrame:
-    """Per candidate, best of three: featurizing, routing and generating the LoRA factors; the
+    """Per candidate, best of three: ``featurize`` (prompts -> router input: the router LM's
+    pooled states, or n-gram features), routing and generating the LoRA factors; the
     candidate's greedy answers alone; its answers with the generated LoRA's hooks on; and the
     overhead (route + hooked - alone) / alone."""
     prompts = [e.prompt for e in queries]
@@ -285,12 +344,12 @@ def latency(haps: H.HAPS, models: dict, toks: dict, queries: list, feat_dim: int
             mx = max_new_tokens(toks[n], queries, zoo.recipe(n).with_steps)
 
             def route_and_generate():
-                x = H.prompt_features(prompts, feat_dim).to(device)
+                x = featurize(prompts).to(device)
                 haps.route(x).softmax(1)
                 haps.lora(x, n)
 
             t_route = best_of(route_and_generate)
-            xq = H.prompt_features(prompts, feat_dim)
+            xq = featurize(prompts)
             t_plain = best_of(lambda: evaluate.generate(model, toks[n], prompts, mx))
             t_hooked = best_of(lambda: adapted_completions(model, toks[n], haps, n, prompts, xq,
                                                            scale, mx))
@@ -302,8 +361,9 @@ def latency(haps: H.HAPS, models: dict, toks: dict, queries: list, feat_dim: int
 
 
 SHORT = {"random routing": "random", "architecture-only router": "arch_only",
-         "oracle (static)": "oracle_static", "HAPS": "haps", "HAPS, separate trunks": "separate",
-         "HAPS, supervised labels": "supervised", "oracle (HAPS candidates)": "oracle_haps"}
+         "oracle (static)": "oracle_static", "HAPS": "haps", "HAPS, separate tops": "separate",
+         "HAPS, supervised answers": "supervised", "ours (n-gram router, eq. 1)": "ours",
+         "oracle (HAPS candidates)": "oracle_haps"}
 
 
 def summary(per_family: pd.DataFrame, c1: pd.DataFrame, cost: pd.DataFrame, agreement: dict,
