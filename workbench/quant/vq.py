@@ -11,8 +11,9 @@ column, on the weights as they stand then (after the error feedback of earlier c
 Mahalanobis-rank seeding (``mahalanobis_init``: ``k`` points evenly spaced in the ranking of their
 Mahalanobis distance to the mean) and ``kmeans_iters`` EM iterations weighted per column by the
 GPTQ loss weight ``1 / [U]_jj^2`` (``U`` the upper Cholesky factor of ``H^-1``, so ``[U]_jj^2``
-is the inverse Hessian's diagonal entry of the remaining columns: the paper's Hessian-weighted
-distance); every lookup uses the same weights. Each vector's error, divided by ``[U]_jj`` per column, is spread over
+is the inverse Hessian's diagonal entry of the remaining columns; our reading of the paper's
+Hessian-weighted distance, ``--hessian-weighted-lookups`` in its scripts); every lookup uses the
+same weights. Each vector's error, divided by ``[U]_jj`` per column, is spread over
 the later columns exactly as GPTQ does (all ``dim`` columns of a vector at once, then lazy batch
 updates per ``blocksize``). After the sweep the codebooks are updated with assignments fixed (the
 paper's codebook update, ``lut_m_step``): Adam, ``m_steps`` steps at ``m_lr`` on
@@ -22,9 +23,9 @@ start.
 Departures, named: codebooks stay in fp16 (the paper optionally quantizes them to 8 bits and
 compresses them by SVD; we spend those bits on larger codebook blocks instead), no blockwise
 normalization of the weights (``vq_scaling_blocksize = -1``, the paper's default), the k-means
-seeding is deterministic (the Mahalanobis rank needs no draw), and the reference code's weights
-differ from the paper's formula (its lookups weight by ``1 / [U]_jj``, its k-means by ``[U]_jj``;
-we use ``1 / [U]_jj^2`` in both). K-means stops once no assignment changes, a fixed point where
+seeding is deterministic (the Mahalanobis rank needs no draw), and the weights are GPTQ's loss
+weights in both places (the reference code's lookups weight by ``1 / [U]_jj`` and its k-means by
+``[U]_jj``). K-means stops once no assignment changes, a fixed point where
 the remaining iterations would change nothing.
 
 Storage: ``bits`` index bits per weight plus ``2**(bits * dim) * dim * codebook_bits`` bits per
