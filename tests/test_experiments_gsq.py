@@ -147,3 +147,39 @@ def test_grid_rows_lie_on_each_method_s_grid():
     t = X.group_table(bed, {k: {"ppl": 1.0} for k in [(m, 2) for m in X.METHODS]}, (2,), [32], 32)
     fig = X.explore_figure(t, rows, 2, 32, 1.0, "l")
     assert len(fig.axes) == 2
+
+
+def test_frontier_gap_is_the_fraction_of_gptq_to_vq_closed():
+    assert X.frontier_gap(12.0, 11.0, 10.0) == 0.5
+    assert X.frontier_gap(12.0, 10.0, 10.0) == 1.0
+    assert X.frontier_gap(12.0, 13.0, 10.0) == -0.5                   # GSQ worse than GPTQ
+    assert math.isnan(X.frontier_gap(12.0, 11.0, 12.5))                # VQ not ahead: no gap
+
+
+def test_frontier_runs_awq_and_gptvq_at_the_scalar_grid_s_bits(monkeypatch):
+    g = torch.Generator().manual_seed(2)
+    lin = nn.Linear(128, 128, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(0.05 * torch.randn(128, 128, generator=g))
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList([nn.Module()])
+    model.model.layers[0].mlp = nn.Module()
+    model.model.layers[0].mlp.down_proj = lin
+    name = next(iter(Q.block_linears(model)))
+    bed = X.Bed(model=model, tok=None, card={}, calib=None, held=None, layers={name: lin},
+                H={name: _hessian(128, 1024)}, ppl_fp=0.0, load_s=0.0, t_start=0.0)
+    monkeypatch.setattr(X.Bed, "ppl", lambda self, weights=None: 1.0)
+    out = X.frontier(bed, (2, 3), 128, kmeans_iters=2, act_mean={name: torch.ones(128)})
+    for b in (2, 3):
+        assert out[("vq", b)]["bpw"] <= Q.bits_per_weight(b, 128) + 1e-12
+        assert out[("awq", b)]["bpw"] == Q.bits_per_weight(b, 128)
+        # flat activation means: every alpha gives the same scales, so AWQ is RTN
+        assert torch.equal(out[("awq", b)]["weights"][name], Q.rtn(lin.weight.detach(), b,
+                                                                   128).dequantize())
+    res = {**out, **{(m, b): {"ppl": v} for b in (2, 3) for m, v in (("gptq", 2.0),
+                                                                       ("gsq", 1.5))}}
+    met = X.frontier_metrics(res, (2, 3))
+    assert met["frontier_gap_closed_gsq_2bit"] == 0.5 and met["bpw_vq_3bit"] <= 3.125
+    table = X.ppl_table({**res, ("rtn", 4): {"ppl": 3.0}}, (2,), 128, 0.9)
+    assert table.loc["AWQ"].iloc[0] == 1.0

@@ -4,7 +4,9 @@
 The harness loads the zoo's quantization bed with its calibration Hessians and held-out blocks;
 measures how sensitive the backbone is to its block weights; quantizes every block linear with
 RTN, GPTQ and GSQ as published (IST-DASLab/GSQ, started from GPTQ) at each bit width, and the two
-ablations of ours that re-solve the scales of GPTQ's and of GSQ's assignment in closed form;
+ablations of ours that re-solve the scales of GPTQ's and of GSQ's assignment in closed form; at 2
+and 3 bits, the frontier GSQ is measured against (GPTVQ, van Baalen et al. 2024, at the scalar
+grid's bits per weight, codebooks included) and AWQ (Lin et al. 2024) beside RTN and GPTQ;
 scores the zero-shot task; writes gguf-py's Q4_0 assignment and GSQ's as GGUF files and reads
 them back three ways; and times GSQ against layer size. For the explorer: RTN's and GPTQ's
 perplexity over bits and group sizes (GSQ only where the notebook ran it) and one weight row on
@@ -30,7 +32,8 @@ from workbench.plots import subplots
 
 __all__ = ["LIMITS", "METHODS", "ABLATIONS", "NAMES", "LLAMA_CPP_PPL_RTOL", "limits", "swapped",
            "layer_errors", "gap_closed", "loglog_slope", "Bed", "load_bed", "weight_noise",
-           "baseline", "quantize_all", "solved_scales", "ppl_metrics", "ppl_table", "flips",
+           "baseline", "quantize_all", "FRONTIER", "VQ_DIM", "frontier", "frontier_gap",
+           "frontier_metrics", "solved_scales", "ppl_metrics", "ppl_table", "flips",
            "layer_error_means", "diagnostics_figure", "task_scores", "q4_0_round_trip",
            "readers_agree", "timing_sweep", "timing_figure", "group_sizes", "group_table",
            "grid_rows", "explore_figure"]
@@ -39,9 +42,12 @@ LIMITS = {"group_size": [32 * k for k in range(1, 65)], "gsq_steps": (0, None),
           "n_calib": (1, None)}
 METHODS = ("rtn", "gptq", "gsq")
 ABLATIONS = ("gptq+scales", "gsq+scales")
-NAMES = {"rtn": "RTN", "gptq": "GPTQ", "gsq": "GSQ (as published)",
+FRONTIER = ("awq", "vq")          # the other scalar baseline and the vector frontier (2, 3 bits)
+VQ_DIM = 2                        # GPTVQ's 2-D vectors (the paper's main setting)
+NAMES = {"rtn": "RTN", "awq": "AWQ", "gptq": "GPTQ", "gsq": "GSQ (as published)",
          "gptq+scales": "GPTQ + solved scales (ablation, ours)",
-         "gsq+scales": "GSQ + solved scales (ablation, ours)"}
+         "gsq+scales": "GSQ + solved scales (ablation, ours)",
+         "vq": "GPTVQ 2-D (vector frontier)"}
 LLAMA_CPP_PPL_RTOL = 0.01        # llama.cpp's Q8_0 activations against the float model
 
 
@@ -205,6 +211,67 @@ def quantize_all(bed: Bed, bits_list, group_size: int, cfg: M.GSQConfig, seed: i
     return results
 
 
+def frontier(bed: Bed, bits_list, group_size: int, kmeans_iters: int,
+             act_mean: dict | None = None) -> dict:
+    """(method, bits) -> perplexity, weights, seconds, CPU seconds, per-layer errors and bits per
+    weight, for AWQ (per-linear alpha search before RTN, ``Q.awq``) and GPTVQ (``Q.gptvq``:
+    2-D vectors, fp16 codebooks, each codebook over the fewest rows that keep the scalar grid's
+    bits per weight, ``bits + 16 / group_size``, with the codebook counted); prints a line each."""
+    act_mean = act_mean or Q.mean_abs_inputs(bed.model, bed.layers, bed.calib)
+    out = {}
+    for bits in bits_list:
+        budget = Q.bits_per_weight(bits, group_size)
+        for method in FRONTIER:
+            t, cpu = time.time(), time.process_time()
+            weights, extra = {}, {}
+            for n, lin in bed.layers.items():
+                w = lin.weight.detach()
+                if method == "awq":
+                    weights[n], info = Q.awq(w, bed.H[n], act_mean[n], bits, group_size)
+                    extra[n] = {"alpha": info["alpha"], "bpw": budget}
+                else:
+                    rows = Q.rows_for_budget(bits, VQ_DIM, w.shape[0], group_size, budget)
+                    vq = Q.gptvq(w, bed.H[n], bits, VQ_DIM, rows, group_size,
+                                 kmeans_iters=kmeans_iters)
+                    weights[n], extra[n] = vq.dequantize(), {"bpw": vq.bits_per_weight,
+                                                              "rows": rows}
+            secs, cpu = time.time() - t, time.process_time() - cpu
+            ppl = bed.ppl(weights)
+            sizes = {n: lin.weight.numel() for n, lin in bed.layers.items()}
+            bpw = sum(extra[n]["bpw"] * sizes[n] for n in sizes) / sum(sizes.values())
+            out[(method, bits)] = {"ppl": ppl, "weights": weights, "info": extra, "s": secs,
+                                   "cpu": cpu, "bpw": bpw,
+                                   "err": layer_errors(bed.model, bed.H, weights)}
+            print(f"{bits} bit {method:5s} ppl {ppl:8.3f}   {bpw:.3f} bpw   {secs:5.1f} s "
+                  f"({cpu:5.1f} s CPU)")
+    return out
+
+
+def frontier_gap(ppl_gptq: float, ppl_gsq: float, ppl_vq: float) -> float:
+    """Fraction of the GPTQ-to-frontier gap GSQ closes, ``(gptq - gsq) / (gptq - vq)``; NaN
+    when the vector quantizer is not ahead of GPTQ (no gap to close)."""
+    gap = ppl_gptq - ppl_vq
+    return float("nan") if gap <= 0 else (ppl_gptq - ppl_gsq) / gap
+
+
+def frontier_metrics(results: dict, bits_list) -> dict:
+    """``ppl_{awq,vq}_{bits}bit``, their seconds and CPU seconds, ``bpw_{awq,vq}_{bits}bit``,
+    ``awq_alpha_mean_{bits}bit``, ``layer_err_{awq,vq}_{bits}bit`` and
+    ``frontier_gap_closed_gsq_{bits}bit`` (needs GPTQ's and GSQ's rows in ``results``)."""
+    out = {}
+    for b in bits_list:
+        for m in FRONTIER:
+            r = results[(m, b)]
+            out.update({f"ppl_{m}_{b}bit": r["ppl"], f"seconds_{m}_{b}bit": r["s"],
+                        f"cpu_seconds_{m}_{b}bit": r["cpu"], f"bpw_{m}_{b}bit": r["bpw"],
+                        f"layer_err_{m}_{b}bit": float(np.mean(list(r["err"].values())))})
+        out[f"awq_alpha_mean_{b}bit"] = float(np.mean(
+            [i["alpha"] for i in results[("awq", b)]["info"].values()]))
+        out[f"frontier_gap_closed_gsq_{b}bit"] = frontier_gap(
+            *(results[(m, b)]["ppl"] for m in ("gptq", "gsq", "vq")))
+    return out
+
+
 def ppl_metrics(results: dict, bits_list) -> dict:
     """``ppl_{method}_{bits}bit``, ``seconds_{method}_{bits}bit`` and
     ``cpu_seconds_{method}_{bits}bit`` of RTN, GPTQ and GSQ, and ``ppl_gptq_scales_{bits}bit``,
@@ -221,9 +288,11 @@ def ppl_metrics(results: dict, bits_list) -> dict:
 
 
 def ppl_table(results: dict, bits_list, group_size: int, ppl_fp: float) -> pd.DataFrame:
-    """Perplexity per method (rows) and bit width (columns, with bits per weight)."""
+    """Perplexity per method (rows) and bit width (columns, with bits per weight); NaN where a
+    method did not run at that width (AWQ and GPTVQ run at 2 and 3 bits)."""
     table = pd.DataFrame({f"{b} bit ({Q.bits_per_weight(b, group_size):.3g} bpw)":
-                          {NAMES[m]: results[(m, b)]["ppl"] for m in NAMES} for b in bits_list})
+                          {NAMES[m]: results[(m, b)]["ppl"] if (m, b) in results else np.nan
+                           for m in NAMES} for b in bits_list})
     table.loc["full precision"] = ppl_fp
     return table
 
