@@ -117,3 +117,52 @@ def test_at_threshold_counts_as_select_does_and_the_curve_reads_the_variants():
     assert curve["pool families"].is_monotonic_decreasing and curve["unseen domains"].iloc[-1] < 1
     _, n = X.at_threshold(v, post, fam, 0.9, 2)
     assert np.isclose(curve["share with 2+ LoRAs"][1], (n > 1).mean())
+
+
+FAMS = ["sort", "dedupe", "pattern_skip", "kv", "count", "rotate", "swap"]
+
+
+def test_unseen_items_average_to_the_unseen_table_and_carry_per_domain_methods():
+    g = np.random.default_rng(0)
+    fam = np.repeat(FAMS, [3, 4, 5, 2, 3, 4, 6])                    # unequal families
+    scores = {"HiLoRA": g.integers(0, 2, len(fam)).astype(float),
+              "base": g.integers(0, 2, len(fam)).astype(float)}
+    domains = X.unseen_domains(FAMS[:5], FAMS[5:])
+    W = X.unseen_weights(fam, domains)
+    hub = np.where(np.array([np.isin(fam, fs) for fs in domains.values()]),
+                   g.integers(0, 2, (len(domains), len(fam))), np.nan)
+    per_family = pd.DataFrame(scores).groupby(fam).mean()
+    hub_acc = X.domain_accuracy(hub, fam, domains)
+    unseen = X.unseen_table(per_family, FAMS[:5], FAMS[5:], {"LoraHub": hub_acc})
+    items = X.unseen_items(scores, {"LoraHub": hub}, W)
+    for m in ("HiLoRA", "base", "LoraHub"):
+        assert len(items[m]) == len(fam)
+        assert np.isclose(items[m].mean(), unseen.loc["mean over unseen domains", m]), m
+    ci = X.c3_intervals(items, ["base", "LoraHub"])
+    assert list(ci.index) == ["base", "LoraHub"]
+    assert np.isclose(ci.loc["base", "diff"], items["HiLoRA"].mean() - items["base"].mean())
+    assert (ci["low"] <= ci["diff"]).all() and (ci["diff"] <= ci["high"]).all()
+    better = dict(items, HiLoRA=items["base"] + W.sum(0))          # one point more on every domain
+    assert (X.c3_intervals(better, ["base"])["low"] > 0).all()
+
+
+def test_lorahub_shots_are_labelled_examples_of_the_domain_and_never_evaluation_prompts():
+    from workbench.data import tasks
+    domains = {"held-out rotate": ["rotate"], "mix": ["sort", "count", "kv"]}
+    block = {e.prompt for e in tasks.generate("sort", 20, 3000, X.evaluate.MIDDLE["sort"])[:3]}
+    shots = X.lorahub_shots(domains, 5, block, seed=0)
+    assert [e.family for e in shots["held-out rotate"]] == ["rotate"] * 5
+    assert [e.family for e in shots["mix"]] == ["sort", "count", "kv", "sort", "count"]
+    assert not {e.prompt for s in shots.values() for e in s} & block
+
+
+def test_throughput_alternates_the_paths_and_pairs_each_repeat(monkeypatch):
+    order = []
+    clock = iter(np.arange(0, 100, 1.0))
+    monkeypatch.setattr(X.time, "perf_counter", lambda: next(clock))
+    fake = {"single peft LoRA": lambda: order.append("s"), "HiLoRA": lambda: order.append("h")}
+    monkeypatch.setattr(X, "_paths", lambda *a, **k: fake)
+    t = X.throughput(None, ["p"] * 2, None, 4, 4, 1.0, 0.9, 2, 8)
+    assert order == ["s", "h"] + ["s", "h", "h", "s", "s", "h", "h", "s"]    # warm-up, then ABBA
+    assert len(t) == 4 and np.allclose(t["single peft LoRA"], 8.0)           # 8 tokens in 1 s
+    assert np.allclose(t["ratio"], t["HiLoRA"] / t["single peft LoRA"])

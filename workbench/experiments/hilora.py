@@ -12,8 +12,13 @@ The method (ROCs, the Gaussians, selection, allocation, the routed hooks) is
 - :func:`method_gates`, :func:`method_scores`, :func:`unseen_table`, :func:`budget_sweep`: HiLoRA
   against the base, uniform, single-best, top-k, Arrow, trained-router and oracle routings, each
   through the same hooks (C3);
-- :func:`throughput`, :func:`active_rocs`: tokens/s of routed generation against one ``peft``
-  LoRA (C4), and which ROCs a prompt switches on;
+- :func:`unseen_domains`, :func:`lorahub_shots`, :func:`lorahub_scores`: the LoraHub baseline
+  (:mod:`workbench.methods.lorahub`), its weights searched per unseen domain on a few labelled
+  examples (issue 36); :func:`unseen_weights`, :func:`domain_accuracy`, :func:`unseen_items`,
+  :func:`c3_intervals`: C3 as paired-bootstrap intervals over the same unseen prompts (issue 33);
+- :func:`throughput`, :func:`flops_per_token`, :func:`active_rocs`: tokens/s of routed
+  generation against one ``peft`` LoRA in alternating repeats, and floating-point operations
+  per generated token (C4), and which ROCs a prompt switches on;
 - :func:`selection_variants`, :func:`at_threshold`, :func:`threshold_curve`,
   :func:`threshold_figure`: the explorer over the selection threshold (each prompt scored once per
   number of selected LoRAs, so any threshold's accuracy is a lookup).
@@ -28,14 +33,18 @@ import pandas as pd
 import torch
 from sklearn.linear_model import LogisticRegression
 
-from .. import evaluate, plots
+from .. import diagnostics, evaluate, plots
 from ..data import tasks
 from ..methods import hilora as hl
+from ..methods import lorahub as lh
 from ..models import adapters, zoo
 
 __all__ = ["Bed", "load_bed", "lora_equivalence", "train_inputs", "fit_and_eval_examples",
            "features", "selection_curve", "pad_pool", "trained_router", "single_best",
-           "method_gates", "longest_answer", "score", "method_scores", "unseen_table",
+           "method_gates", "longest_answer", "score", "method_scores", "unseen_domains",
+           "unseen_table", "lorahub_shots", "lorahub_scores", "unseen_weights", "domain_accuracy",
+           "unseen_items",
+           "c3_intervals", "flops_per_token",
            "budget_sweep", "throughput", "active_rocs", "summary", "selection_variants",
            "at_threshold", "threshold_curve", "threshold_figure"]
 
@@ -220,15 +229,97 @@ def method_scores(bed: Bed, examples: list, gates: tuple | None, max_new_tokens:
     return score(examples, comps)
 
 
-def unseen_table(per_family: pd.DataFrame, pool_families: list, heldout: list) -> pd.DataFrame:
-    """Accuracy per unseen domain (each held-out family; mixtures of pool families, scored as
-    the mean of their members' per-prompt scores) and their mean, per method."""
+def unseen_domains(pool_families: list, heldout: list) -> dict:
+    """The unseen domains: each held-out family, and mixtures of pool families."""
     domains = {f"held-out {f}": [f] for f in heldout}
     domains.update({"mix sort+dedupe+pattern_skip": ["sort", "dedupe", "pattern_skip"],
-                    "mix sort+count+kv": ["sort", "count", "kv"], "mix all pool": pool_families})
+                    "mix sort+count+kv": ["sort", "count", "kv"], "mix all pool": list(pool_families)})
+    return domains
+
+
+def unseen_table(per_family: pd.DataFrame, pool_families: list, heldout: list,
+                 per_domain: dict | None = None) -> pd.DataFrame:
+    """Accuracy per unseen domain (each held-out family; mixtures of pool families, scored as
+    the mean of their members' per-prompt scores) and their mean, per method; ``per_domain``
+    adds methods scored per domain (``{method: {domain: accuracy}}``, LoraHub's weights are
+    searched per domain)."""
+    domains = unseen_domains(pool_families, heldout)
     unseen = pd.DataFrame({d: per_family.loc[fs].mean() for d, fs in domains.items()}).T
+    for m, acc in (per_domain or {}).items():
+        unseen[m] = pd.Series(acc)
     unseen.loc["mean over unseen domains"] = unseen.mean()
     return unseen
+
+
+# -- LoraHub (issue 36): weights searched per unseen domain on a few labelled examples ----------
+
+def lorahub_shots(domains: dict, n_shots: int, exclude: set, seed: int) -> dict:
+    """Per domain, ``n_shots`` labelled examples at its families' middle difficulty (a mixture's
+    members in turn), none of them among the evaluation prompts ``exclude``."""
+    out = {}
+    for d, fams in domains.items():
+        pools = {f: [e for e in tasks.generate(f, 4 * n_shots, 3000 + seed, evaluate.MIDDLE[f])
+                     if e.prompt not in exclude] for f in fams}
+        out[d] = [pools[fams[i % len(fams)]][i // len(fams)] for i in range(n_shots)]
+    return out
+
+
+def lorahub_scores(bed: Bed, domains: dict, shots: dict, eval_ex: list, eval_fam: np.ndarray,
+                   seed: int, max_new_tokens: int) -> tuple[np.ndarray, pd.DataFrame, dict]:
+    """LoraHub per unseen domain: weights over the pool LoRAs searched on the domain's ``shots``
+    (:func:`~workbench.methods.lorahub.search`), then greedy generation of the domain's
+    evaluation prompts with the composed LoRA. Returns scores (domains, items; NaN outside the
+    domain), the weights (domain x pool LoRA) and each search's loss trace."""
+    bed.hooks.off()
+    hub = lh.ComposedLora(bed.lm, [hl.lora_factors(bed.peft_model, f) for f in bed.pool_families])
+    S = np.full((len(domains), len(eval_ex)), np.nan)
+    weights, traces = {}, {}
+    for i, (d, fams) in enumerate(domains.items()):
+        w, traces[d] = lh.search(lambda v: lh.lorahub_loss(bed.lm, bed.tok, hub, shots[d], v,
+                                                           bed.with_steps), bed.n_pool, seed + i)
+        hub.set_weights(w)
+        rows = np.flatnonzero(np.isin(eval_fam, fams))
+        comps = evaluate.generate(bed.lm, bed.tok, [eval_ex[j].prompt for j in rows],
+                                  max_new_tokens)
+        S[i, rows], weights[d] = score([eval_ex[j] for j in rows], comps), w
+    hub.remove()
+    return S, pd.DataFrame(weights, index=bed.pool_families).T, traces
+
+
+def unseen_weights(eval_fam: np.ndarray, domains: dict) -> np.ndarray:
+    """(domains, items) weights W such that the mean over items of ``(W * S).sum(0)`` is what
+    :func:`unseen_table` reports for per-item scores ``S``: the mean over domains of each
+    domain's mean over its families of the family's mean score (items are scaled so that their
+    plain mean gives it)."""
+    W = np.zeros((len(domains), len(eval_fam)))
+    for i, fams in enumerate(domains.values()):
+        for f in fams:
+            W[i, eval_fam == f] = 1.0 / (len(fams) * (eval_fam == f).sum())
+    return W * len(eval_fam) / len(domains)
+
+
+def domain_accuracy(S: np.ndarray, eval_fam: np.ndarray, domains: dict) -> dict:
+    """Per domain, the mean over its families of the family's mean in row ``S[d]`` (a method
+    scored per domain, as LoraHub is), as :func:`unseen_table` averages the others."""
+    return {d: float(np.mean([np.nanmean(S[i, eval_fam == f]) for f in fams]))
+            for i, (d, fams) in enumerate(domains.items())}
+
+
+def unseen_items(results: dict, per_domain: dict, W: np.ndarray) -> dict:
+    """Per method, each evaluation prompt's share of the unseen-domain mean (:func:`unseen_weights`):
+    a prompt of a pool family counts once per mixture it is in. ``results``: per-prompt scores
+    (routing per prompt, whatever the domain); ``per_domain``: (domains, items) scores of the
+    methods routed per domain (LoraHub)."""
+    out = {m: (W * np.asarray(r, float)[None]).sum(0) for m, r in results.items()}
+    out.update({m: (W * np.nan_to_num(S)).sum(0) for m, S in per_domain.items()})
+    return out
+
+
+def c3_intervals(items: dict, rivals: list, method: str = "HiLoRA") -> pd.DataFrame:
+    """``method`` minus each rival on the same unseen items: ``paired_bootstrap``'s mean
+    difference and 95% interval (one row per rival)."""
+    return pd.DataFrame({r: diagnostics.paired_bootstrap(items[method], items[r])
+                         for r in rivals}).T
 
 
 def budget_sweep(bed: Bed, examples: list, rows: np.ndarray, post: np.ndarray, mask: np.ndarray,
@@ -245,13 +336,11 @@ def budget_sweep(bed: Bed, examples: list, rows: np.ndarray, post: np.ndarray, m
     return pd.DataFrame(out)
 
 
-def throughput(bed: Bed, prompts: list[str], gauss: list, new_tokens: int, repeats: int,
-               temperature: float, threshold: float, k_max: int, budget: int,
-               adapter: str = "sort") -> dict:
-    """C4: tokens/s of greedy generation of exactly ``new_tokens`` tokens per prompt, one
-    unmerged ``peft`` LoRA (``adapter``) against HiLoRA's full path (features, likelihoods,
-    selection, allocation, the hooked generation); best of ``repeats`` interleaved repeats, so
-    that a burst of load hits both alike."""
+def _paths(bed: Bed, prompts: list[str], gauss: list, new_tokens: int, temperature: float,
+           threshold: float, k_max: int, budget: int, adapter: str) -> dict:
+    """C4's two paths as callables: one unmerged ``peft`` LoRA (``adapter``), and HiLoRA's full
+    path (features, likelihoods, selection, allocation, the hooked generation); each generates
+    exactly ``new_tokens`` tokens per prompt."""
     def single_lora():
         bed.peft_model.set_adapter(adapter)
         return hl.generate_routed(bed.peft_model, bed.tok, prompts, None,
@@ -266,14 +355,51 @@ def throughput(bed: Bed, prompts: list[str], gauss: list, new_tokens: int, repea
         return hl.generate_routed(bed.lm, bed.tok, prompts, bed.hooks,
                                   pad_pool(m.astype(float), bed.n_all), k,
                                   max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    return {"single peft LoRA": single_lora, "HiLoRA": hilora_path}
 
-    best = {"single peft LoRA": np.inf, "HiLoRA": np.inf}
-    for _ in range(repeats):
-        for name, fn in (("single peft LoRA", single_lora), ("HiLoRA", hilora_path)):
+
+def throughput(bed: Bed, prompts: list[str], gauss: list, new_tokens: int, repeats: int,
+               temperature: float, threshold: float, k_max: int, budget: int,
+               adapter: str = "sort") -> pd.DataFrame:
+    """C4: tokens/s of both paths (:func:`_paths`) over ``repeats`` alternating repeats (the
+    order flips every repeat, ABBA, so that neither path always runs second), and per repeat the
+    ratio HiLoRA / single LoRA of the two runs side by side: a burst of load hits a pair alike.
+    One untimed run of each path comes first, so that first-call costs (allocations, lazy
+    initialisation) are not timed."""
+    paths = _paths(bed, prompts, gauss, new_tokens, temperature, threshold, k_max, budget, adapter)
+    for fn in paths.values():
+        fn()
+    rows = []
+    for i in range(repeats):
+        row = {}
+        for name in (list(paths) if i % 2 == 0 else list(paths)[::-1]):
             t0 = time.perf_counter()
+            paths[name]()
+            row[name] = len(prompts) * new_tokens / (time.perf_counter() - t0)
+        rows.append(row)
+    out = pd.DataFrame(rows)
+    out["ratio"] = out["HiLoRA"] / out["single peft LoRA"]
+    return out
+
+
+def flops_per_token(bed: Bed, prompts: list[str], gauss: list, new_tokens: int,
+                    temperature: float, threshold: float, k_max: int, budget: int,
+                    adapter: str = "sort") -> dict:
+    """C4's machine-independent side: floating-point operations per generated token of each
+    path, routing included, counted by ``torch.utils.flop_counter.FlopCounterMode`` (matrix
+    products and attention) on one run of each, plus the likelihoods' numpy work counted by hand
+    (per Gaussian: a Cholesky, d^3 / 3, and a triangular solve per prompt, d^2). Comparisons (the
+    token-level ranking's sort) are not floating-point operations and are not counted."""
+    from torch.utils.flop_counter import FlopCounterMode
+    paths = _paths(bed, prompts, gauss, new_tokens, temperature, threshold, k_max, budget, adapter)
+    out = {}
+    for name, fn in paths.items():
+        with FlopCounterMode(display=False) as fc:
             fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return {name: len(prompts) * new_tokens / t for name, t in best.items()}
+        out[name] = fc.get_total_flops()
+    d = len(gauss[0][0])
+    out["HiLoRA"] += len(gauss) * (d ** 3 / 3 + len(prompts) * (d ** 2 + 2 * d))
+    return {name: f / (len(prompts) * new_tokens) for name, f in out.items()}
 
 
 def active_rocs(bed: Bed, gates: tuple, mask: np.ndarray, prompts: list[str],
