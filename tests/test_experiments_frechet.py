@@ -134,3 +134,32 @@ def test_weighted_merges_reach_the_adapter_at_weight_one_and_the_table_adds_the_
     assert vals["answer loss"] == 3.2
     at_one = t[(t["weight on family"] == 1.0) & (t.measure == "exact match, family")]
     assert at_one.value.eq(1.0).all()
+
+
+class ItemBench(TinyBench):
+    """TinyBench with fixed per-item scores per slot (no generation): slot "good" gets every
+    item right, "bad" none, "alternate" every other item; the base model scores nothing."""
+    SCORES = {"good": 1.0, "bad": 0.0}
+
+    def item_scores(self, adapter):
+        return {f: (np.arange(4) % 2).astype(float) if adapter == "alternate"
+                else np.full(4, self.SCORES[adapter]) for f in self.families}
+
+    def base_scores(self):
+        return 9.0, {f: 0.0 for f in self.families}
+
+
+def test_score_merges_keeps_per_item_scores_and_the_intervals_pair_them():
+    bench = _bench(ItemBench)
+    bench.model.add_weighted_adapter(FAMS, [0.5, 0.5], "good", combination_type="svd")
+    bench.model.add_weighted_adapter(FAMS, [0.5, 0.5], "bad", combination_type="svd")
+    bench.model.add_weighted_adapter(FAMS, [0.5, 0.5], "alternate", combination_type="svd")
+    table, items = xp.score_merges(bench, ["good", "bad", "alternate"])
+    assert set(items) == {"good", "bad", "alternate"} and all(len(v) == 8 for v in items.values())
+    assert table.loc["alternate", "multi_task"] == 0.5 == items["alternate"].mean()   # the table's mean
+    assert table.loc["base", "answer_loss"] == 9.0
+    ci = xp.paired_intervals(items, "good", ["bad", "alternate"])
+    assert list(ci.index) == ["bad", "alternate"] and set(ci.columns) >= {"diff", "low", "high"}
+    assert ci.loc["bad"].tolist()[:3] == [1.0, 1.0, 1.0]          # no spread: every item +1
+    assert ci.loc["alternate", "diff"] == 0.5 and 0 < ci.loc["alternate", "low"] <= 0.5 <= ci.loc["alternate", "high"]
+    assert xp.paired_intervals(items, "alternate", ["good"]).loc["good", "high"] < 0   # loses

@@ -104,3 +104,41 @@ def test_a_gain_on_the_preactivations_recounts_saturation():
                              "HR product", "HR branch 1 x branch 2"}
     assert len(t) == 3 * 6 and t.saturated.between(0, 1).all()
     X.gain_figure(t, runs["hadamard"][0], 1.0, 0)
+
+
+def test_evaluation_returns_are_per_seeded_episode_and_repeatable():
+    setup = X.make_setup(dict(S, n_inner_seeds=1, total_timesteps=256), "ppo", "tanh", 0, 0.1,
+                         0.1, "cpu")
+    res = X.train_torsos(setup, verbose=False)
+    net = res["hadamard"][0]["policy"]
+    for greedy in (False, True):
+        a = X.eval_returns("CartPole-v1", net, 5, seed=1000, greedy=greedy)
+        assert a.shape == (5,) and (a >= 1).all() and (a <= 500).all()
+        assert np.array_equal(a, X.eval_returns("CartPole-v1", net, 5, 1000, greedy))  # same items
+    g = X.eval_returns("CartPole-v1", net, 5, seed=1000, greedy=True)
+    assert np.array_equal(g[:3], X.eval_returns("CartPole-v1", net, 3, 1000, greedy=True))
+    final = X.final_returns(setup, res, 4, seed=7)
+    assert set(final) == set(hr.TORSOS) and final["wide"].shape == (1, 4)
+    q = torch.nn.Linear(4, 2)                             # a DQN-like network: argmax of its output
+    assert X.policy_actions(q, torch.zeros(3, 4)).tolist() == [int(q.bias.argmax())] * 3
+    obs = torch.zeros(2000, 4)
+    sampled = X.policy_actions(net, obs, torch.Generator().manual_seed(0))
+    p = torch.softmax(net.actor(net.torso(obs[:1])), -1)[0, 1].item()
+    assert abs(sampled.float().mean().item() - p) < 0.05      # samples follow the policy
+    assert X.policy_actions(net, obs[:1]).item() == int(p > 0.5)
+
+
+def test_claim_intervals_are_positive_when_hr_wins():
+    res = {"standard": [_result([0.2, 0.2, 0.4, 0.4], []), _result([0.2, 0.3, 0.5, 0.4], [])],
+           "hadamard": [_result([0.1, 0.1, 0.1, 0.1], []), _result([0.1, 0.0, 0.1, 0.2], [])],
+           "wide": [_result([0.0] * 4, []), _result([0.0] * 4, [])]}
+    steps = X.checkpoints(res)
+    final = {"standard": np.full((2, 6), 100.0), "hadamard": np.full((2, 6), 95.0),
+             "wide": np.full((2, 6), 120.0)}
+    ci = X.claim_intervals(res, steps, final)
+    assert list(ci.index) == ["c1", "c3_standard", "c3_wide", "c4"]
+    assert ci.loc["c1", "diff"] == pytest.approx(0.225) and ci.loc["c1", "low"] > 0
+    assert ci.loc["c4", "diff"] == pytest.approx(0.3) and ci.loc["c4", "n_items"] == 2   # late
+    assert ci.loc["c3_standard", "diff"] == pytest.approx(5.0)          # 95 - 0.9 x 100: matches
+    assert ci.loc["c3_wide", "high"] == pytest.approx(-25.0)            # loses to wide
+    assert (ci.n_seeds == 2).all() and ci.loc["c3_wide", "n_items"] == 6

@@ -18,12 +18,13 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
+from .. import diagnostics as dx
 from .. import evaluate
 from ..data import packing, tasks
 from ..methods import frechet as fr
 
 __all__ = ["train_prompts", "eval_sets", "pool_table", "Bench", "reparam_draws", "identity_errors",
-           "add_peft_merges", "score_merges", "karcher_gap", "mlp_forward", "train_mlp",
+           "add_peft_merges", "score_merges", "paired_intervals", "karcher_gap", "mlp_forward", "train_mlp",
            "evaluate_mlp", "interpolation_path", "midpoints", "relabel_change", "flat", "unflat",
            "fisher_errors", "MERGES", "weighted_merges", "weight_table"]
 
@@ -100,11 +101,15 @@ class Bench:
         fr.set_factors(self.model, name, factors)
         return name
 
-    def accuracy(self, adapter: str) -> dict:
-        """Exact match of ``adapter`` on each family."""
+    def item_scores(self, adapter: str) -> dict:
+        """Per family, the verifier's score (1 or 0) of ``adapter`` on each of its prompts."""
         self.model.set_adapter(adapter)
-        return {f: evaluate.exact_match(self.model, self.tok, self.evals[f], self.with_steps)
+        return {f: evaluate.item_scores(self.model, self.tok, self.evals[f], self.with_steps)
                 for f in self.families}
+
+    def accuracy(self, adapter: str) -> dict:
+        """Exact match of ``adapter`` on each family (the mean of :meth:`item_scores`)."""
+        return {f: float(s.mean()) for f, s in self.item_scores(adapter).items()}
 
     def base_scores(self) -> tuple[float, dict]:
         """The answer loss and the exact match of the base model (adapters disabled)."""
@@ -169,18 +174,31 @@ def add_peft_merges(model, families, ta_lambda: float, ties_density: float) -> l
     return ["naive", "svd_of_mean", "task_arithmetic", "ties", "cat_mean"]
 
 
-def score_merges(bench: Bench, adapters, progress=lambda it, **kw: it) -> pd.DataFrame:
+def score_merges(bench: Bench, adapters,
+                 progress=lambda it, **kw: it) -> tuple[pd.DataFrame, dict]:
     """Exact match per family, their mean (``multi_task``) and the answer loss of the base model
-    and of every adapter slot in ``adapters`` (a family's own slot shows as "adapter f alone")."""
-    acc, losses = {}, {}
+    and of every adapter slot in ``adapters`` (a family's own slot shows as "adapter f alone"),
+    and per slot its per-item scores over every family's prompts, in family order (the same
+    items for every slot, for :func:`paired_intervals`)."""
+    acc, losses, items = {}, {}, {}
     losses["base"], acc["base"] = bench.base_scores()
     for m in progress(adapters, desc="scoring merges"):
-        acc[m], losses[m] = bench.accuracy(m), bench.loss(m)
+        per = bench.item_scores(m)
+        acc[m], losses[m] = {f: float(s.mean()) for f, s in per.items()}, bench.loss(m)
+        items[m] = np.concatenate([per[f] for f in bench.families])
     table = pd.DataFrame(acc).T
     table["multi_task"] = table[bench.families].mean(1)
     table["answer_loss"] = pd.Series(losses)
     table.index = [f"adapter {i} alone" if i in bench.families else i for i in table.index]
-    return table
+    return table, items
+
+
+def paired_intervals(items: dict, ours: str, rivals, seed: int = 0) -> pd.DataFrame:
+    """``ours`` minus each rival on the same items: the mean difference of per-item exact match
+    with its 95 % paired bootstrap interval (:func:`workbench.diagnostics.paired_bootstrap`,
+    columns diff, low, high, n_items, n_seeds; a row per rival). Ours beats a rival when low > 0."""
+    return pd.DataFrame({r: dx.paired_bootstrap(items[ours], items[r], seed=seed)
+                         for r in rivals}).T.astype({"n_items": int, "n_seeds": int})
 
 
 def karcher_gap(hist: dict, k: int) -> float:

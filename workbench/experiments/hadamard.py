@@ -31,6 +31,7 @@ from workbench.runtime import seed_everything
 
 __all__ = ["AGENTS", "LABEL", "PPO_LOGS", "Setup", "make_setup", "torso_sizes", "train_one",
            "train_torsos", "checkpoints", "smoothed_return", "series", "returns", "summarize",
+           "policy_actions", "eval_returns", "final_returns", "claim_intervals",
            "curves_by_torso", "ppo_logs", "ppo_log_means", "relu_summary", "branch_saturation",
            "spectrum_figure", "spectrum_slider", "spectrum_start_end", "preactivations",
            "saturation_at", "gain_table", "gain_figure"]
@@ -87,7 +88,8 @@ def train_one(setup: Setup, kind: str, inner_seed: int, act: str | None = None,
               steps: int | None = None) -> dict:
     """Train one agent with one torso; returns its diagnostics per checkpoint (``tracker``), the
     singular values per checkpoint (``spectra``), its finished episodes ((step, return) rows),
-    PPO's per-update ``logs``, ``sps``, and the last torso and states measured."""
+    PPO's per-update ``logs``, ``sps``, the trained network (``policy``: PPO's actor-critic or
+    DQN's Q-network) and the last torso and states measured."""
     act = act or setup.activation
     seed_everything(inner_seed)
     torso_fn = hr.torso_factory(kind, setup.family, setup.width, act)
@@ -111,7 +113,8 @@ def train_one(setup: Setup, kind: str, inner_seed: int, act: str | None = None,
                         on_eval=lambda step, net, obs: measure(step, net, obs))
     return {"tracker": tr, "spectra": spectra,
             "episodes": np.array(out["episodes"], float).reshape(-1, 2),
-            "logs": pd.DataFrame(out.get("logs", [])), "sps": out["sps"], **last}
+            "logs": pd.DataFrame(out.get("logs", [])), "sps": out["sps"],
+            "policy": out["agent"] if setup.agent == "ppo" else out["q_network"], **last}
 
 
 def train_torsos(setup: Setup, progress=lambda it, **kw: it, act: str | None = None,
@@ -194,6 +197,69 @@ def ppo_log_means(results: dict) -> dict:
         out.update({f"{m}_mean_{k}": float(np.nanmean(np.stack([r["logs"][m] for r in results[k]])))
                     for m in ("approx_kl", "clipfrac", "explained_variance")})
     return out
+
+
+@torch.no_grad()
+def policy_actions(net: torch.nn.Module, obs: torch.Tensor,
+                   gen: torch.Generator | None = None) -> torch.Tensor:
+    """The actions a trained network takes: a PPO actor-critic samples from its policy with the
+    CPU generator ``gen`` (as it acts in training, and as CleanRL's ``ppo_eval`` plays) or, with
+    ``gen=None``, takes the most probable action; a DQN takes its largest Q-value."""
+    if not hasattr(net, "actor"):
+        return net(obs).argmax(-1)
+    logits = net.actor(net.torso(obs))
+    if gen is None:
+        return logits.argmax(-1)
+    return torch.multinomial(torch.softmax(logits, -1).cpu(), 1, generator=gen).squeeze(-1)
+
+
+def eval_returns(env_id: str, net: torch.nn.Module, n_episodes: int, seed: int,
+                 greedy: bool = False) -> np.ndarray:
+    """The return of one episode of ``net`` (:func:`policy_actions`, actions sampled from a
+    generator seeded with ``seed`` unless ``greedy``) per environment, the environments reset
+    with seeds ``seed, seed + 1, ..., seed + n_episodes - 1``: the same episodes (items) for
+    every network given the same seed, so two networks' returns pair item by item."""
+    envs = make_vec_env(env_id, n_episodes, seed)
+    obs, _ = envs.reset(seed=seed)
+    device, out = next(net.parameters()).device, np.full(n_episodes, np.nan)
+    gen = None if greedy else torch.Generator().manual_seed(seed)
+    while np.isnan(out).any():
+        act = policy_actions(net, torch.as_tensor(obs, device=device), gen)
+        obs, _, _, _, infos = envs.step(act.cpu().numpy())
+        final = infos.get("final_info", {})
+        if "episode" in final:
+            first = final["_episode"] & np.isnan(out)         # each env's first episode only
+            out[first] = final["episode"]["r"][first]
+    envs.close()
+    return out
+
+
+def final_returns(setup: Setup, results: dict, n_episodes: int, seed: int,
+                  greedy: bool = False) -> dict:
+    """kind -> (inner seeds x episodes) returns of the trained networks, every network on the same
+    ``n_episodes`` evaluation episodes (:func:`eval_returns` from ``seed``)."""
+    return {k: np.stack([eval_returns(setup.env_id, r["policy"], n_episodes, seed, greedy)
+                         for r in results[k]]) for k in hr.TORSOS}
+
+
+def claim_intervals(results: dict, steps, final: dict) -> pd.DataFrame:
+    """The paired comparisons of C1, C3 and C4 (a row each), as the difference that is positive
+    when HR wins, with its 95 % paired bootstrap interval over (inner seeds x items)
+    (:func:`workbench.diagnostics.paired_bootstrap`: the torsos share the inner seeds, the
+    checkpoints and the evaluation episodes). ``c1``: standard minus HR inactive fraction, items
+    all checkpoints; ``c4``: standard minus HR saturated fraction, items the checkpoints of the
+    second half of training; ``c3_standard``: HR's return minus 0.9 x the standard's
+    ("matches": within 10 %), ``c3_wide``: HR's minus the wide layer's, items the evaluation
+    episodes (``final``, :func:`final_returns`)."""
+    late = np.asarray(steps) >= steps[-1] / 2
+    sat = {k: series(results, k, "saturated")[:, late] for k in ("standard", "hadamard")}
+    inactive = {k: series(results, k, "inactive") for k in ("standard", "hadamard")}
+    pairs = {"c1": (inactive["standard"], inactive["hadamard"]),
+             "c3_standard": (final["hadamard"], 0.9 * final["standard"]),
+             "c3_wide": (final["hadamard"], final["wide"]),
+             "c4": (sat["standard"], sat["hadamard"])}
+    return pd.DataFrame({n: dx.paired_bootstrap(a, b) for n, (a, b) in pairs.items()}).T.astype(
+        {"n_items": int, "n_seeds": int})
 
 
 def relu_summary(results: dict) -> dict:
