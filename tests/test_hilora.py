@@ -6,6 +6,7 @@ import pytest
 import torch
 from scipy.stats import multivariate_normal
 
+from tiny_models import tiny_llama_two_loras
 from workbench.methods import hilora as hl
 
 
@@ -20,17 +21,7 @@ def test_rocs_sum_to_the_lora_delta():
 
 @pytest.fixture(scope="module")
 def tiny():
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2)
-    base = LlamaForCausalLM(cfg).eval()
-    lcfg = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                init_lora_weights=False)
-    peft = get_peft_model(copy.deepcopy(base), LoraConfig(**lcfg), adapter_name="t0")
-    peft.add_adapter("t1", LoraConfig(**lcfg))
-    return base, peft.eval()
+    return tiny_llama_two_loras()
 
 
 def test_all_rocs_on_reproduce_each_lora_and_fewer_do_not(tiny):

@@ -1,27 +1,18 @@
 """LoraHub (workbench.methods.lorahub): element-wise composition, its loss, the gradient-free search."""
-import copy
 
 import numpy as np
 import pytest
 import torch
 
+from tiny_models import tiny_llama_two_loras
 from workbench.methods import hilora as hl
 from workbench.methods import lorahub as lh
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2)
-    base = LlamaForCausalLM(cfg).eval()
-    lcfg = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                init_lora_weights=False)
-    peft = get_peft_model(copy.deepcopy(base), LoraConfig(**lcfg), adapter_name="t0")
-    peft.add_adapter("t1", LoraConfig(**lcfg))
-    return base, peft.eval(), [hl.lora_factors(peft, n) for n in ("t0", "t1")]
+    base, peft = tiny_llama_two_loras()
+    return base, peft, [hl.lora_factors(peft, n) for n in ("t0", "t1")]
 
 
 def test_compose_sums_a_and_b_separately_so_cross_terms_appear(tiny):

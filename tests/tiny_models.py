@@ -47,3 +47,19 @@ class TwoLayerNet(nn.Module):
 
     def forward(self, x):
         return self.layers[0](x)
+
+
+def tiny_llama_two_loras():
+    """``(base, peft model)``: a seeded 16-wide Llama and a copy carrying two random LoRAs,
+    "t0" and "t1", on q/v/down projections (the LoRA-pool methods' tests)."""
+    import copy
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2)
+    base = LlamaForCausalLM(cfg).eval()
+    lcfg = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                init_lora_weights=False)
+    peft = get_peft_model(copy.deepcopy(base), LoraConfig(**lcfg), adapter_name="t0")
+    peft.add_adapter("t1", LoraConfig(**lcfg))
+    return base, peft.eval()

@@ -139,6 +139,15 @@ def adapted_completions(model, tok, haps: H.HAPS, name: str, prompts: list[str],
     return outs
 
 
+def _load_trained(path, make, build, device):
+    """Train once into ``path`` with ``build`` (it saves the state dict as ``haps.pt``), then
+    ``make()`` the model and load it: ``(model on device in eval mode, the build's record)``."""
+    cache.build(path, build)
+    model = make()
+    model.load_state_dict(torch.load(path / "haps.pt"))
+    return model.to(device).eval(), json.loads((path / "done.json").read_text())
+
+
 def cached_haps(names, zoo_scale: str, models: dict, toks: dict, train, test,
                 labels: torch.Tensor, s: H.Settings, feat_dim: int, device="cpu"):
     """A trained :class:`~workbench.methods.haps.HAPS` and its record (training log, seconds,
@@ -175,11 +184,7 @@ def cached_haps(names, zoo_scale: str, models: dict, toks: dict, train, test,
         return {"train_seconds": round(seconds, 1), "log": log, "adapted_test": adapted,
                 "settings": asdict(s)}
 
-    cache.build(path, build)
-    haps = make()
-    haps.load_state_dict(torch.load(path / "haps.pt"))
-    info = json.loads((path / "done.json").read_text())
-    return haps.to(device).eval(), info
+    return _load_trained(path, make, build, device)
 
 
 def router_states(encoder: str, zoo_scale: str, splits: dict, device="cpu") -> dict:
@@ -228,11 +233,7 @@ def cached_ref_haps(names, zoo_scale: str, models: dict, toks: dict, train, test
         return {"train_seconds": round(seconds, 1), "log": log, "adapted_test": adapted,
                 "settings": asdict(s)}
 
-    cache.build(path, build)
-    ref = make()
-    ref.load_state_dict(torch.load(path / "haps.pt"))
-    info = json.loads((path / "done.json").read_text())
-    return ref.to(device).eval(), info
+    return _load_trained(path, make, build, device)
 
 
 # -- C1: the generated factors are a LoRA of the chosen architecture ------------------------------

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from .gptq import run_batches
 from .grid import rtn
 
 __all__ = ["N_GRID", "awq_scales", "awq_weight", "awq", "mean_abs_inputs"]
@@ -71,10 +72,7 @@ def mean_abs_inputs(model: torch.nn.Module, modules: dict, batches,
 
     handles = [m.register_forward_hook(hook(n)) for n, m in modules.items()]
     try:
-        with torch.no_grad():
-            dev = next(model.parameters()).device
-            for i in range(0, len(batches), batch_size):
-                model(input_ids=batches[i: i + batch_size].to(dev))
+        run_batches(model, batches, batch_size)
     finally:
         for h in handles:
             h.remove()

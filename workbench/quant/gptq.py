@@ -8,7 +8,7 @@ from torch import nn
 
 from .grid import Quantized, rtn_params
 
-__all__ = ["gptq", "HessianCollector", "collect_hessians", "output_error"]
+__all__ = ["gptq", "HessianCollector", "collect_hessians", "run_batches", "output_error"]
 
 # -- GPTQ -------------------------------------------------------------------------------------
 
@@ -137,15 +137,21 @@ class HessianCollector:
             h.remove()
 
 
+def run_batches(model: nn.Module, batches, batch_size: int = 16) -> None:
+    """Forward ``batches`` (B, T) of token ids through ``model`` without gradients, ``batch_size``
+    rows at a time, on the model's device (for hooks that collect calibration statistics)."""
+    with torch.no_grad():
+        dev = next(model.parameters()).device
+        for i in range(0, len(batches), batch_size):
+            model(input_ids=batches[i: i + batch_size].to(dev))
+
+
 def collect_hessians(model: nn.Module, modules: dict[str, nn.Module], batches,
                      batch_size: int = 16) -> dict[str, torch.Tensor]:
     """Run ``batches`` (B, T) through ``model`` and return each module's input Hessian."""
     col = HessianCollector(modules)
     try:
-        with torch.no_grad():
-            dev = next(model.parameters()).device
-            for i in range(0, len(batches), batch_size):
-                model(input_ids=batches[i: i + batch_size].to(dev))
+        run_batches(model, batches, batch_size)
     finally:
         col.remove()
     return col.hessians()
