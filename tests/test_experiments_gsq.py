@@ -31,15 +31,21 @@ def test_swapped_puts_weights_in_and_restores_them():
     assert all(torch.equal(p, before[n]) for n, p in m.named_parameters())
 
 
-def test_layer_errors_are_relative_to_the_weight():
-    lin = nn.Linear(64, 16, bias=False)
-    torch.manual_seed(1)
+def _one_block_model(lin):
+    """``(model, name)``: a model whose one block's ``mlp.down_proj`` is ``lin``, and its name as
+    ``block_linears`` lists it."""
     model = nn.Module()
     model.model = nn.Module()
     model.model.layers = nn.ModuleList([nn.Module()])
     model.model.layers[0].mlp = nn.Module()
     model.model.layers[0].mlp.down_proj = lin
-    name = next(iter(Q.block_linears(model)))
+    return model, next(iter(Q.block_linears(model)))
+
+
+def test_layer_errors_are_relative_to_the_weight():
+    lin = nn.Linear(64, 16, bias=False)
+    torch.manual_seed(1)
+    model, name = _one_block_model(lin)
     H = {name: _hessian(64)}
     w = lin.weight.detach()
     err = X.layer_errors(model, H, {name: w.clone()})
@@ -161,12 +167,7 @@ def test_frontier_runs_awq_and_gptvq_at_the_scalar_grid_s_bits(monkeypatch):
     lin = nn.Linear(128, 128, bias=False)
     with torch.no_grad():
         lin.weight.copy_(0.05 * torch.randn(128, 128, generator=g))
-    model = nn.Module()
-    model.model = nn.Module()
-    model.model.layers = nn.ModuleList([nn.Module()])
-    model.model.layers[0].mlp = nn.Module()
-    model.model.layers[0].mlp.down_proj = lin
-    name = next(iter(Q.block_linears(model)))
+    model, name = _one_block_model(lin)
     bed = X.Bed(model=model, tok=None, card={}, calib=None, held=None, layers={name: lin},
                 H={name: _hessian(128, 1024)}, ppl_fp=0.0, load_s=0.0, t_start=0.0)
     monkeypatch.setattr(X.Bed, "ppl", lambda self, weights=None: 1.0)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .gptq import run_batches
+from .gptq import output_error, run_batches
 from .grid import rtn
 
 __all__ = ["N_GRID", "awq_scales", "awq_weight", "awq", "mean_abs_inputs"]
@@ -48,9 +48,8 @@ def awq(w: torch.Tensor, H: torch.Tensor, act_mean: torch.Tensor, bits: int,
     errors, best = {}, None
     for i in range(n_grid):
         alpha = i / n_grid
-        s = awq_scales(act_mean, alpha)
-        d = (awq_weight(w, s, bits, group_size) - w).double()
-        errors[alpha] = float(torch.einsum("oi,ij,oj->", d, Hd, d))
+        errors[alpha] = output_error(w, awq_weight(w, awq_scales(act_mean, alpha), bits,
+                                                   group_size), Hd)
         if best is None or errors[alpha] < errors[best]:
             best = alpha
     s = awq_scales(act_mean, best)

@@ -8,9 +8,17 @@ from torch import nn
 
 from .grid import Quantized, rtn_params
 
-__all__ = ["gptq", "HessianCollector", "collect_hessians", "run_batches", "output_error"]
+__all__ = ["gptq", "inverse_cholesky", "HessianCollector", "collect_hessians", "run_batches", "output_error"]
 
 # -- GPTQ -------------------------------------------------------------------------------------
+
+def inverse_cholesky(H: torch.Tensor, percdamp: float) -> torch.Tensor:
+    """The upper Cholesky factor of ``(H + percdamp * mean(diag H) * I)^-1``, which GPTQ's (and
+    GPTVQ's) column sweep divides errors by and feeds them forward with."""
+    damped = H + percdamp * torch.mean(torch.diag(H)) * torch.eye(H.shape[0], dtype=H.dtype,
+                                                                   device=H.device)
+    return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(damped)), upper=True)
+
 
 def gptq(w: torch.Tensor, H: torch.Tensor, bits: int, group_size: int = 128, sym: bool = True,
          blocksize: int = 128, percdamp: float = 0.01, actorder: bool = False,
@@ -67,10 +75,7 @@ def gptq(w: torch.Tensor, H: torch.Tensor, bits: int, group_size: int = 128, sym
     if actorder:
         perm = torch.argsort(torch.diag(H), descending=True)
         W, H = W[:, perm], H[perm][:, perm]
-    damp = percdamp * torch.mean(torch.diag(H))
-    H += damp * torch.eye(cols, dtype=H.dtype, device=H.device)
-    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
-    Hinv = Hinv.to(dtype)
+    Hinv = inverse_cholesky(H, percdamp).to(dtype)
     dev = W.device
     codes = torch.zeros(rows, cols, dtype=torch.int16, device=dev)   # in processing order
     scales = torch.zeros(rows, cols // g, dtype=dtype, device=dev)   # by group, processing order

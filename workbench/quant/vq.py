@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .gptq import inverse_cholesky
+
 __all__ = ["VQQuantized", "vq_bits_per_weight", "rows_for_budget", "mahalanobis_init",
            "weighted_kmeans", "assign", "gptvq"]
 
@@ -183,8 +185,7 @@ def gptvq(w: torch.Tensor, H: torch.Tensor, bits: int, dim: int = 2, rows_per_gr
     dead = torch.diag(Hd) == 0
     Hd[dead, dead] = 1
     W[:, dead] = 0
-    Hd += percdamp * torch.mean(torch.diag(Hd)) * torch.eye(cols, dtype=Hd.dtype, device=Hd.device)
-    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(Hd)), upper=True).float()
+    U = inverse_cholesky(Hd, percdamp).float()
     ud = torch.diag(U)
     G = rows // rows_per_group
     index = torch.zeros(rows, cols // dim, dtype=torch.long, device=W.device)
