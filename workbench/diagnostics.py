@@ -20,7 +20,8 @@ import torch
 from scipy import stats
 
 __all__ = ["dormant_scores", "dormant_fraction", "activity_scores", "inactive_fraction",
-           "saturated_fraction", "singular_values", "srank", "erank", "global_norm", "Tracker",
+           "saturated_units", "saturated_fraction", "singular_values", "srank", "erank",
+           "global_norm", "Tracker",
            "growth_rate", "ablate_singular", "ablate_random", "hutchinson_trace", "rademacher",
            "hutchpp", "hutchinson", "spearman_ci",
            "paired_bootstrap", "top_hessian_eigenvalue"]
@@ -92,15 +93,20 @@ def inactive_fraction(activations: torch.Tensor, tau: float = 0.1) -> float:
     return float((activity_scores(activations) <= tau).float().mean())
 
 
-def saturated_fraction(activations: torch.Tensor, mean_thresh: float = 0.95,
-                       std_thresh: float = 0.05) -> float:
-    """Fraction of tanh units that act as a constant: |mean| >= mean_thresh and std <= std_thresh
-    across inputs (their outgoing weights then add a fixed bias downstream)."""
+def saturated_units(activations: torch.Tensor, mean_thresh: float = 0.95,
+                    std_thresh: float = 0.05) -> torch.Tensor:
+    """Which tanh units act as a constant: |mean| >= mean_thresh and std <= std_thresh across
+    inputs (their outgoing weights then add a fixed bias downstream); one bool per unit."""
     a = activations.detach().float()
     a = a.reshape(a.shape[0], a.shape[1], -1).transpose(1, 2).reshape(-1, a.shape[1]) \
         if a.dim() > 2 else a
-    m, s = a.mean(0), a.std(0)
-    return float(((m.abs() >= mean_thresh) & (s <= std_thresh)).float().mean())
+    return (a.mean(0).abs() >= mean_thresh) & (a.std(0) <= std_thresh)
+
+
+def saturated_fraction(activations: torch.Tensor, mean_thresh: float = 0.95,
+                       std_thresh: float = 0.05) -> float:
+    """Fraction of tanh units that act as a constant (:func:`saturated_units`)."""
+    return float(saturated_units(activations, mean_thresh, std_thresh).float().mean())
 
 
 # -- effective rank ----------------------------------------------------------------------------

@@ -374,8 +374,7 @@ def gain_figure(table: pd.DataFrame, hr_result: dict, gain: float, seed: int):
     a.legend(fontsize=7)
     pre, act = preactivations(hr_result)
     a1, a2 = (act(gain * pre[k]) for k in ("branch 1", "branch 2"))
-    m1, m2, mp = a1.mean(0).abs(), a2.mean(0).abs(), (a1 * a2)
-    sat = (mp.mean(0).abs() >= 0.95) & (mp.std(0) <= 0.05)
+    m1, m2, sat = a1.mean(0).abs(), a2.mean(0).abs(), dx.saturated_units(a1 * a2)
     b.scatter(m1[~sat], m2[~sat], s=12, color=plots.PALETTE[0], label="product not saturated")
     b.scatter(m1[sat], m2[sat], s=16, color=plots.PALETTE[1], label="product saturated")
     for f in (b.axvline, b.axhline):

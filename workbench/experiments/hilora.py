@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 from sklearn.linear_model import LogisticRegression
 
 from .. import diagnostics, evaluate, plots
@@ -390,7 +391,6 @@ def flops_per_token(bed: Bed, prompts: list[str], gauss: list, new_tokens: int,
     products and attention) on one run of each, plus the likelihoods' numpy work counted by hand
     (per Gaussian: a Cholesky, d^3 / 3, and a triangular solve per prompt, d^2). Comparisons (the
     token-level ranking's sort) are not floating-point operations and are not counted."""
-    from torch.utils.flop_counter import FlopCounterMode
     paths = _paths(bed, prompts, gauss, new_tokens, temperature, threshold, k_max, budget, adapter)
     out = {}
     for name, fn in paths.items():
