@@ -24,7 +24,7 @@ __all__ = ["dormant_scores", "dormant_fraction", "activity_scores", "inactive_fr
            "global_norm", "Tracker",
            "growth_rate", "ablate_singular", "ablate_random", "hutchinson_trace", "rademacher",
            "hutchpp", "hutchinson", "spearman_ci",
-           "paired_bootstrap", "top_hessian_eigenvalue"]
+           "paired_bootstrap", "paired_table", "top_hessian_eigenvalue"]
 
 
 # -- dormant neurons ---------------------------------------------------------------------------
@@ -334,6 +334,13 @@ def paired_bootstrap(a, b, n_resamples: int = 2000, confidence: float = 0.95,
 
 
 # -- top Hessian eigenvalue --------------------------------------------------------------------
+def paired_table(pairs: dict, seed: int = 0) -> pd.DataFrame:
+    """:func:`paired_bootstrap` of each named pair ``{name: (a, b)}``, a row per name (columns
+    diff, low, high, n_items, n_seeds): ``a`` beats ``b`` where low > 0."""
+    return pd.DataFrame({n: paired_bootstrap(a, b, seed=seed) for n, (a, b) in pairs.items()}
+                        ).T.astype({"n_items": int, "n_seeds": int})
+
+
 def top_hessian_eigenvalue(loss_fn, params, iters: int = 20, tol: float = 1e-4,
                            generator: torch.Generator | None = None) -> float:
     """The largest-magnitude eigenvalue of the Hessian of ``loss_fn()`` w.r.t. ``params`` by power

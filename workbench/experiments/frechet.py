@@ -197,8 +197,7 @@ def paired_intervals(items: dict, ours: str, rivals, seed: int = 0) -> pd.DataFr
     """``ours`` minus each rival on the same items: the mean difference of per-item exact match
     with its 95 % paired bootstrap interval (:func:`workbench.diagnostics.paired_bootstrap`,
     columns diff, low, high, n_items, n_seeds; a row per rival). Ours beats a rival when low > 0."""
-    return pd.DataFrame({r: dx.paired_bootstrap(items[ours], items[r], seed=seed)
-                         for r in rivals}).T.astype({"n_items": int, "n_seeds": int})
+    return dx.paired_table({r: (items[ours], items[r]) for r in rivals}, seed=seed)
 
 
 def karcher_gap(hist: dict, k: int) -> float:

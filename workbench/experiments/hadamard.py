@@ -258,8 +258,7 @@ def claim_intervals(results: dict, steps, final: dict) -> pd.DataFrame:
              "c3_standard": (final["hadamard"], 0.9 * final["standard"]),
              "c3_wide": (final["hadamard"], final["wide"]),
              "c4": (sat["standard"], sat["hadamard"])}
-    return pd.DataFrame({n: dx.paired_bootstrap(a, b) for n, (a, b) in pairs.items()}).T.astype(
-        {"n_items": int, "n_seeds": int})
+    return dx.paired_table(pairs)
 
 
 def relu_summary(results: dict) -> dict:

@@ -319,8 +319,7 @@ def unseen_items(results: dict, per_domain: dict, W: np.ndarray) -> dict:
 def c3_intervals(items: dict, rivals: list, method: str = "HiLoRA") -> pd.DataFrame:
     """``method`` minus each rival on the same unseen items: ``paired_bootstrap``'s mean
     difference and 95% interval (one row per rival)."""
-    return pd.DataFrame({r: diagnostics.paired_bootstrap(items[method], items[r])
-                         for r in rivals}).T
+    return diagnostics.paired_table({r: (items[method], items[r]) for r in rivals})
 
 
 def budget_sweep(bed: Bed, examples: list, rows: np.ndarray, post: np.ndarray, mask: np.ndarray,
