@@ -203,14 +203,21 @@ def _label(artist) -> tuple[str, bool]:
     return ("", False) if label.startswith("_") else (label, True)
 
 
+def _paths_xy(coll, ax=None) -> tuple[list, list]:
+    """The vertices of a collection's paths as one x and one y list, broken by ``None`` between
+    paths; in ``ax``'s data coordinates when given (else as stored, data for a band)."""
+    xs, ys = [], []
+    for path in coll.get_paths():
+        v = path.vertices if ax is None else _in_data(ax, coll, path.vertices)
+        xs += list(v[:, 0]) + [None]
+        ys += list(v[:, 1]) + [None]
+    return xs, ys
+
+
 def _band_trace(coll):
     """A ``fill_between`` band as a filled outline."""
     name, show = _label(coll)
-    xs, ys = [], []
-    for path in coll.get_paths():
-        v = path.vertices
-        xs += list(v[:, 0]) + [None]
-        ys += list(v[:, 1]) + [None]
+    xs, ys = _paths_xy(coll)
     rgba = coll.get_facecolor()[0] if len(coll.get_facecolor()) else (0.5, 0.5, 0.5, 0.2)
     return go.Scatter(x=xs, y=ys, fill="toself", mode="none", name=name, showlegend=show,
                       hoverinfo="skip", fillcolor=_rgba(to_hex(rgba), float(rgba[3])))
@@ -284,11 +291,7 @@ def _mesh_trace(mesh):
 
 def _segments_trace(ax, coll):
     """Line segments (``vlines``, ``hlines``, error bars) as one trace broken between them."""
-    xs, ys = [], []
-    for path in coll.get_paths():
-        v = _in_data(ax, coll, path.vertices)
-        xs += list(v[:, 0]) + [None]
-        ys += list(v[:, 1]) + [None]
+    xs, ys = _paths_xy(coll, ax)
     name, show = _label(coll)
     colors = coll.get_colors()
     return go.Scatter(x=xs, y=ys, mode="lines", name=name, showlegend=show,
