@@ -8,7 +8,7 @@ from workbench.methods import mf_router as M
 def test_score_is_the_bilinear_form_on_hand_made_values():
     r = M.MFRouter(n_models=2, text_dim=3, dim=2)
     with torch.no_grad():
-        r.P.weight.copy_(torch.tensor([[3.0, 4.0], [0.0, -2.0]]))     # normalized: (.6, .8), (0, -1)
+        r.P.weight.copy_(torch.tensor([[3.0, 4.0], [0.0, -2.0]]))     # unit: (.6, .8), (0, -1)
         r.text_proj.weight.copy_(torch.tensor([[1.0, 0.0, 1.0], [0.0, 2.0, 0.0]]))
         r.classifier.weight.copy_(torch.tensor([[1.0, -1.0]]))
     e = torch.tensor([[1.0, 1.0, 1.0]])                               # W e = (2, 2)
