@@ -86,12 +86,15 @@ def problems(family: str, difficulty: int, n_eval: int, probe: int, seed: int,
             "probe_b": [train[i] for i in order[probe: 2 * probe]]}
 
 
-def base_rewards(model, tok, held: list, group: int, max_new_tokens: int, seed: int) -> dict:
+def base_rewards(model, tok, held: list, group: int, max_new_tokens: int, seed: int,
+                 sampled: int = 64) -> dict:
     """Where the base policy starts on the held-out problems: its greedy reward (and per
-    problem, ``items``), its sampled reward, and the share of groups of ``group`` completions
-    with both a correct and a wrong one (the groups GRPO learns from)."""
+    problem, ``items``), and on the first ``sampled`` of them its sampled reward and the share
+    of groups of ``group`` completions with both a correct and a wrong one (the groups GRPO
+    learns from)."""
     items = heldout_scores(model, tok, held)
-    roll = H.rollouts(model, tok, held, group, max_new_tokens, seed=seed)["rewards"].view(-1, group)
+    roll = H.rollouts(model, tok, held[:sampled], group, max_new_tokens, seed=seed)["rewards"]
+    roll = roll.view(-1, group)
     return {"greedy": float(items.mean()), "items": items, "sampled": float(roll.mean()),
             "with_signal": float((roll.std(1) > 0).float().mean())}
 
