@@ -158,3 +158,13 @@ def test_rank_figure_boxes_the_selection_and_marks_the_trained_one():
     assert len(fig.axes[1].get_lines()) == len(ca) + 1          # a curve per module, the r line
     assert "r = 2" in fig.axes[1].get_title()
     plt.close(fig)
+
+
+def test_grid_metrics_name_every_method_and_rate_in_grid_order():
+    from workbench import sweep
+    sw = sweep.sweep(lambda m, v: {"val": v * (2 if m == "a" else 1), "test": -v}, ["a", "b"],
+                     [3e-4, 1e-4], "val")
+    g = X.grid_metrics(sw)
+    assert g["grid_lr_0"] == 1e-4 and g["grid_lr_1"] == 3e-4
+    assert g["grid_val_a_1"] == pytest.approx(6e-4) and g["grid_test_b_0"] == pytest.approx(-1e-4)
+    assert len(g) == 2 + 2 * 2 * 2

@@ -31,7 +31,7 @@ import torch
 from matplotlib.patches import Rectangle
 from datasets import Dataset
 from scipy.stats import spearmanr
-from transformers import TrainerCallback
+from transformers import PrinterCallback, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from .. import cache, diagnostics, evaluate, plots, sweep
@@ -42,6 +42,7 @@ from ..models import zoo
 __all__ = ["GRPOSettings", "problems", "base_rewards", "score_modules", "residual",
            "eckart_young_check", "score_grid", "param_groups", "optimizer_state_bytes",
            "heldout_scores", "heldout_reward", "train_grpo", "matched_rank", "Runs", "selected",
+           "grid_metrics",
            "final_table", "paired", "reward_curves", "cost_table", "summary", "layer_of",
            "energy_curves", "scores_at", "rank_sweep", "rank_figure", "GROUP", "KINDS"]
 
@@ -236,6 +237,7 @@ def train_grpo(model, tok, train: list, evals: dict, s: GRPOSettings, out_dir) -
                           train_dataset=Dataset.from_dict({"prompt": list(by_prompt)}),
                           optimizers=(opt, sched),
                           callbacks=[_Heldout(tok, evals, s.every, s.steps, curve, items)])
+    trainer.remove_callback(PrinterCallback)          # the logs stay in the record, not on screen
     t0 = time.time()
     trainer.train()
     logs = [h for h in trainer.state.log_history if "reward" in h]
@@ -322,6 +324,19 @@ class Runs:
 def selected(sw: sweep.Sweep) -> dict:
     """Each method's run at its selected learning rate (``{method: record}``)."""
     return {m: sw.at_best(m) for m in sw.table["method"].unique()}
+
+
+def grid_metrics(sw: sweep.Sweep) -> dict:
+    """The whole grid as scalars for the record: each method's final validation and test
+    reward at the i-th rate of the grid (ascending), ``grid_val_<method>_<i>`` and
+    ``grid_test_<method>_<i>``, and the rates, ``grid_lr_<i>``."""
+    lrs = sorted(sw.table[sw.knob].unique())
+    out = {f"grid_lr_{i}": float(v) for i, v in enumerate(lrs)}
+    for row in sw.table.itertuples():
+        i = lrs.index(getattr(row, sw.knob))
+        out.update({f"grid_val_{row.method}_{i}": float(row.val),
+                    f"grid_test_{row.method}_{i}": float(row.test)})
+    return out
 
 
 def final_table(best: dict, start: float) -> pd.DataFrame:
