@@ -193,9 +193,10 @@ class MultimodalBackbone:
         return MM.install(lm, p.eval(), self.features)
 
 
-def projector_state(model: str, scale: str, sizes: dict, seed: int) -> dict:
+def projector_state(model: str, scale: str, sizes: dict, seed: int = 0) -> dict:
     """The ClipCap projector trained on captions (CLIP's training digits and seen shapes, every
-    caption template) with the LM and CLIP frozen; cached by its settings."""
+    caption template) with the LM and CLIP frozen; cached by its settings. Part of the frozen
+    multimodal backbone, so one build (seed 0) serves every seed of the notebook."""
     spec = {"base": model, "scale": scale, "seed": seed, "k": sizes["vqa_k"],
             "steps": sizes["proj_steps"], "lr": sizes["proj_lr"], "batch": sizes["lora_batch"]}
 
@@ -230,9 +231,9 @@ def multimodal_backbone(model: str, scale: str, items, sizes: dict, seed: int):
     cm, _ = clip.load(scale)
     with torch.no_grad():
         feats = clip.image_features(cm, x)
-    proj = projector_state(model, scale, sizes, seed)
+    proj = projector_state(model, scale, sizes)
     key = cache.key(lm.zoo_card["key"], str(clip.model_dir(scale).name), sizes["vqa_k"],
-                    sizes["proj_steps"], sizes["proj_lr"], seed, feats.sum().item(), len(feats))
+                    sizes["proj_steps"], sizes["proj_lr"], feats.sum().item(), len(feats))
     mm = MultimodalBackbone(feats, proj["state"], sizes["vqa_k"], key)
     return mm.setup(lm), mtok, mm, data, proj["losses"]
 
@@ -373,8 +374,12 @@ def sequential_lora(pool, base: str, stream: list[str], train_pairs: dict, steps
     ``first``: the pool adapter that is stage 1 (what training a LoRA on the first task gives,
     already cached); None trains a fresh LoRA (``rank``, ``lora_scale``) ``steps`` on it, as
     every later stage is trained. With ``replay_per_task`` that many examples of each finished
-    task join a replay buffer that fills half of every later batch."""
+    task join a replay buffer that fills half of every later batch. ``mm``: the continual-VQA
+    stream's :class:`MultimodalBackbone` (its image prefix installed in the loaded model, its
+    key in the cache's)."""
     model, tok = zoo.load(base, pool.scale)
+    if mm is not None:
+        mm.setup(model)
     if first is not None:
         model = PeftModel.from_pretrained(model, pool.path(first), is_trainable=True)
     else:
