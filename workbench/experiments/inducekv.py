@@ -9,7 +9,12 @@ under a byte budget) lives in :mod:`workbench.methods.inducekv`; the baselines' 
   training pairs), from space-separated family specs;
 - the C1 equivalence checks (entry vs prefix text, two entries end to end, ``generate``);
 - InduceKV on every scenario, and the selection and calibration contrasts (C4);
-- the baselines at the same budget (sequential LoRA, replay, MoE of LoRAs, an L2P prompt pool),
+- the continual-VQA stream (:func:`multimodal_backbone`: images through the frozen mini-CLIP and
+  the caption-trained ClipCap projector into the LM's input embeddings, :mod:`workbench.methods.
+  inducekv_mm`; :func:`vqa_data`: digit, colour, shape and texture questions) and the check that
+  the prefix reaches the LM (:func:`prefix_check`);
+- the baselines at the same budget (sequential LoRA, replay, MoE of LoRAs routed by centroids and
+  by a trained gate (:func:`gated_moe`), an L2P prompt pool),
   their trained states cached by a key of everything that changes them (:func:`cached_states`,
   :func:`workbench.cache.build`), and their accuracy matrices;
 - the diagnostics of C5 (a compute-matched LoRA, bounded pools, smaller budgets, more entries
