@@ -92,6 +92,8 @@ class ImageTokenizer:
         self._tok, self.k, self.vocab = tok, k, len(tok)
 
     def __getattr__(self, name):
+        if name == "_tok":                  # not yet set (copy, unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self._tok, name)
 
     def __len__(self):
