@@ -451,9 +451,10 @@ def lora_matrix(pm, states: list[dict], stream_names: list[str], tests: dict, to
                 extra_bytes, kind: str, with_steps: bool, route=None) -> dict:
     """``acc[t, j]`` of the LoRA ``states`` after each stage on the tests of every seen task,
     with the deployed bytes ``extra_bytes(t)`` checked against ``budget`` at every stage.
-    ``route(t, j)`` gives each query's state index (MoE); otherwise stage t's state answers."""
+    ``route(t, j)`` gives each query's state index (MoE); otherwise stage t's state answers.
+    ``last_items``: per-item exact match of every task's tests after the last stage."""
     T = len(stream_names)
-    A, bud = np.full((T, T), np.nan), K.Budget(budget)
+    A, bud, last = np.full((T, T), np.nan), K.Budget(budget), []
     for t in range(T):
         bud.check(extra_bytes(t), f"{kind} stage {t}")
         for j, n in enumerate(stream_names[: t + 1]):
@@ -465,7 +466,9 @@ def lora_matrix(pm, states: list[dict], stream_names: list[str], tests: dict, to
                 sc[idx] = K.answer_scores(pm, tok, [tests[n][i] for i in idx],
                                           with_steps=with_steps)[1]
             A[t, j] = sc.mean()
-    return {"acc": A, "trace": bud.trace}
+            if t == T - 1:
+                last.append(sc)
+    return {"acc": A, "trace": bud.trace, "last_items": np.concatenate(last)}
 
 
 def lora_baselines(pool, model: str, scale: str, items, data: dict, prepared: list, qk: dict,
@@ -534,7 +537,7 @@ def gated_moe(model: str, scale: str, names_s: list[str], data: dict, experts: l
     gate = KB.Gate(d, T, seed)
     row = per_expert + gate.nbytes(1)
     cap = max(1, budget // row)
-    A, W, bud, losses = np.full((T, T), np.nan), [], K.Budget(budget), []
+    A, W, bud, losses, last = np.full((T, T), np.nan), [], K.Budget(budget), [], []
     with KB.LoraMixture(lm, experts) as mix:
         for t, m in enumerate(names_s):
             live = list(range(max(0, t + 1 - cap), t + 1))
@@ -546,9 +549,13 @@ def gated_moe(model: str, scale: str, names_s: list[str], data: dict, experts: l
             for j, mj in enumerate(names_s[: t + 1]):
                 with torch.no_grad():
                     w = gate(qk[mj], live)
-                A[t, j] = KB.gated_scores(lm, mix, w, tok, data[mj]["test"], with_steps)[1].mean()
+                ex = KB.gated_scores(lm, mix, w, tok, data[mj]["test"], with_steps)[1]
+                A[t, j] = ex.mean()
                 W[t].append(w.mean(0).numpy())
+                if t == T - 1:
+                    last.append(ex)
     return {"acc": A, "trace": bud.trace, "gate_weights": W, "gate_losses": losses,
+            "last_items": np.concatenate(last),
             "passes": 3 * sizes["gate_steps"] * sizes["gate_batch"] * T}
 
 
@@ -577,13 +584,16 @@ def l2p_baseline(lm, tok, names_s: list[str], data: dict, qk: dict, budget: int,
         return states
     states = cached_states("l2p", spec, build)
     T = len(names_s)
-    A, bud = np.full((T, T), np.nan), K.Budget(budget)
+    A, bud, last = np.full((T, T), np.nan), K.Budget(budget), []
     for t in range(T):
         pp.load_state_dict(states[t])
         bud.check(pp.nbytes, f"L2P stage {t}")
         for j, n in enumerate(names_s[: t + 1]):
-            A[t, j] = KB.l2p_scores(lm, pp, tok, data[n]["test"], qk[n], with_steps)[1].mean()
-    return {"acc": A, "trace": bud.trace,
+            ex = KB.l2p_scores(lm, pp, tok, data[n]["test"], qk[n], with_steps)[1]
+            A[t, j] = ex.mean()
+            if t == T - 1:
+                last.append(ex)
+    return {"acc": A, "trace": bud.trace, "last_items": np.concatenate(last),
             "passes": 3 * sizes["l2p_steps"] * sizes["lora_batch"] * T}
 
 
