@@ -36,7 +36,7 @@ from workbench.plots import subplots
 __all__ = ["LIMITS", "KEY", "COLOR", "limits", "qat_config", "train_stream", "block_nll",
            "task_items", "Bed", "load_bed", "reference_rows", "sensitivities",
            "trace_table", "qat_methods", "qat_run", "qat_metrics", "row_table", "compare", "consistency",
-           "step_time", "step_times", "export_gguf", "c2_evidence", "schedule_figure",
+           "stepper", "step_costs", "export_gguf", "c2_evidence", "schedule_figure",
            "DEAD_SLOPE", "forward_curve", "dead_share", "relaxation_figure"]
 
 # the knobs' and sizes' allowed values, checked by run.sizes before anything runs
