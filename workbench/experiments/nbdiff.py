@@ -2,12 +2,15 @@
 LM, :mod:`workbench.methods.nbdiff`).
 
 The mask checks of C1 (a table over block sizes and prompt offsets, and the 4D mask through the
-zoo's Llama), the training data (task problems and corpus rows), the three adaptation paths of C3
-trained once per seed and cached (:func:`workbench.cache.build`), the one-pass vs two-pass loss
-of C2, task accuracy of a decoder, and the parallel-decoding grid of C4 (ours: a fixed number of tokens a pass, no cache; the
-reference's: confidence threshold, causal first token, KV cache) and tokens per second of the
-reference decoder against the AR model's cached ``generate``, like for like; for the explorer, one problem decoded with the pass that wrote each token, drawn
-under its block mask.
+zoo's Llama), the training, validation and test problems and corpus rows, the three adaptation
+paths of C3 trained once per seed and learning rate and cached (:func:`workbench.cache.build`),
+each path's rate selected on the validation problems (:func:`lr_sweep`), C3's per-item scores
+and paired intervals, the one-pass vs two-pass loss of C2, task accuracy of a decoder, and the
+parallel-decoding grid of C4 (ours: a fixed number of tokens a pass, no cache; the reference's:
+confidence threshold, causal first token, KV cache) and tokens per second of the reference
+decoder against the AR model's cached ``generate``, like for like, timed in interleaved rounds
+with the FLOP and byte counts beside them (:mod:`workbench.costs`); for the explorer, one
+problem decoded with the pass that wrote each token, drawn under its block mask.
 """
 from __future__ import annotations
 
