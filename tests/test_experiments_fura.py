@@ -186,10 +186,30 @@ def test_lr_sweep_selects_on_validation_never_on_the_test(monkeypatch, tmp_path)
 
 def test_paired_target_scores_the_same_test_items(monkeypatch):
     scores = {"a": np.array([1.0, 1, 1, 1, 0, 1, 1, 1]), "b": np.array([0.0, 0, 1, 0, 0, 0, 1, 0])}
-    monkeypatch.setattr(xp.evaluate, "item_scores", lambda model, tok, ex, ws: scores[model])
-    out = xp.paired_target({"a": "a", "b": "b"}, None, _data(), False, "a", ["b"])
+    seen = []
+
+    def item_scores(model, tok, ex, ws):
+        seen.append([e.prompt for e in ex])
+        return scores[model]
+
+    monkeypatch.setattr(xp.evaluate, "item_scores", item_scores)
+    test = [SimpleNamespace(prompt=f"x{i}") for i in range(8)]
+    data = xp.TaskData(**{**_data().__dict__, "test": test})
+    out = xp.paired_target(xp.target_scores({"a": "a", "b": "b"}, None, data, False), "a", ["b"])
     assert out["b"]["diff"] == pytest.approx(0.625)
     assert out["b"]["low"] > 0 and out["b"]["high"] <= 1
+    assert seen == [[e.prompt for e in test]] * 2                 # the test set, not target_eval
+    xp.target_scores({"a": "a"}, None, _data(), False)
+    assert seen[-1] == ["t1", "t2"]                               # no test set: the checkpoints'
+
+
+def test_task_data_draws_a_test_set_outside_the_cache_key(monkeypatch):
+    monkeypatch.setattr(xp.packing, "encode", lambda tok, prompts, completions: [])
+    args = (None, "rotate", 32, 8, 4, ["add"], 0, False)
+    a, b = xp.task_data(*args, n_val=8), xp.task_data(*args, n_val=8, n_test=200)
+    assert a.eval_names() == b.eval_names() and a.test == []          # cache keys unchanged
+    p = lambda ex: {e.prompt for e in ex}                              # noqa: E731
+    assert len(b.test) == 200 and not p(b.test) & (p(b.train) | p(b.val_eval))
 
 
 def test_task_data_eval_names_carry_the_validation_split_only_when_drawn():

@@ -56,17 +56,31 @@ def test_qat_config_logs_the_gap_at_least_twenty_times():
     assert X.qat_config(S, 0.5, 0.2).t0 == 0.5
 
 
-def test_step_time_leaves_the_model_as_it_found_it():
+def test_stepper_leaves_the_model_as_it_found_it():
     model = _tiny_lm()
     layers = M.ternarize(model, "hestia")
     for m in layers.values():
         m.temp, m.pressure = 0.2, 0.5
     before = {k: v.clone() for k, v in model.state_dict().items()}
     x = torch.randint(0, 50, (2, 8))
-    t = X.step_time(model, x, "hestia", repeats=2, temp=0.3)
-    assert t > 0
+    step = X.stepper(model, x, "hestia", temp=0.3)
+    step()
+    step()
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert all((m.temp, m.pressure, m.mode) == (0.2, 0.5, "hestia") for m in layers.values())
+
+
+def test_step_costs_pairs_the_rounds_and_counts_the_quantizer():
+    model = _tiny_lm()
+    M.ternarize(model, "hestia")
+    x = torch.randint(0, 50, (2, 8))
+    t, counts = X.step_costs(model, x, rounds=3, temp=0.3)
+    assert list(t.columns) == ["STE", "Hestia", "ratio"] and len(t) == 3
+    assert ((t.ratio - t.Hestia / t.STE).abs() < 1e-12).all()
+    # the same matrix products in both modes; the relaxed quantizer's elementwise work is
+    # invisible to the FLOP counter and shows in the bytes moved
+    assert counts["flops"]["Hestia"] == counts["flops"]["STE"] > 0
+    assert counts["bytes"]["Hestia"] > counts["bytes"]["STE"] > 0
 
 
 def test_consistency_separates_hestia_from_the_ste():

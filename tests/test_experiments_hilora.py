@@ -159,7 +159,7 @@ def test_lorahub_shots_are_labelled_examples_of_the_domain_and_never_evaluation_
 def test_throughput_alternates_the_paths_and_pairs_each_repeat(monkeypatch):
     order = []
     clock = iter(np.arange(0, 100, 1.0))
-    monkeypatch.setattr(X.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(X.costs.time, "perf_counter", lambda: next(clock))
     fake = {"single peft LoRA": lambda: order.append("s"), "HiLoRA": lambda: order.append("h")}
     monkeypatch.setattr(X, "_paths", lambda *a, **k: fake)
     t = X.throughput(None, ["p"] * 2, None, 4, 4, 1.0, 0.9, 2, 8)

@@ -1,5 +1,6 @@
 """The harness of notebook 19 (workbench.experiments.nbdiff): the mask table, the problem draw,
 the 4D mask through a tiny Llama, and the one-pass vs two-pass comparison."""
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -38,13 +39,60 @@ def test_mask_reaches_model():
 
 
 def test_problems_are_seeded_and_split():
-    a_train, a_test = xp.problems(["reverse", "add"], 8, 4, seed=3)
-    b_train, b_test = xp.problems(["reverse", "add"], 8, 4, seed=3)
-    c_train, _ = xp.problems(["reverse", "add"], 8, 4, seed=4)
-    assert [e.prompt for e in a_train] == [e.prompt for e in b_train]
-    assert [e.prompt for e in a_test] == [e.prompt for e in b_test]
-    assert [e.prompt for e in a_train] != [e.prompt for e in c_train]
-    assert not {e.prompt for e in a_train} & {e.prompt for e in a_test}   # the task's own split
+    a_train, a_val, a_test = xp.problems(["reverse", "add"], 8, 4, seed=3, n_val=8)
+    b_train, b_val, b_test = xp.problems(["reverse", "add"], 8, 4, seed=3, n_val=8)
+    c_train, _, _ = xp.problems(["reverse", "add"], 8, 4, seed=4)
+    p = lambda ex: [e.prompt for e in ex]                                   # noqa: E731
+    assert p(a_train) == p(b_train) and p(a_val) == p(b_val) and p(a_test) == p(b_test)
+    assert p(a_train) != p(c_train)
+    assert not set(p(a_train)) & set(p(a_test))                             # the task's own split
+    assert len(a_val) == 16 and not set(p(a_val)) & (set(p(a_train)) | set(p(a_test)))
+    # the training (and test) problems do not depend on the validation split's size
+    d_train, d_val, d_test = xp.problems(["reverse", "add"], 8, 4, seed=3)
+    assert p(d_train) == p(a_train) and p(d_test) == p(a_test) and d_val == []
+
+
+def test_lr_sweep_selects_each_path_on_validation_and_caches(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+    calls, best = [], {"nbdiff": 1e-3, "anneal": 3e-3, "direct": 3e-4}
+    val = [SimpleNamespace(prompt="v")]
+
+    def adapted(base, zs, path, x0, start, S, seed, train, device):
+        calls.append((path, S["lr"]))
+        return (path, S["lr"]), [1.0] * 30, False
+
+    def accuracy(m, tok, prompts, val, gen_len, size, per_pass, mask_id, cc):
+        assert cc == (m[0] == "nbdiff") and per_pass == 1 and len(val) == 1
+        return (1.0 if m[1] == best[m[0]] else 0.5), 1
+
+    monkeypatch.setattr(xp, "adapted", adapted)
+    monkeypatch.setattr(xp, "accuracy", accuracy)
+    monkeypatch.setattr(xp, "prompt_ids", lambda tok, ex: [[1]] * len(ex))
+    monkeypatch.setattr(xp.cache, "folder", lambda group: tmp_path)
+    S = {"n_corpus": 1, "steps": 2, "batch": 1, "lr": None, "ar_weight": 0.5, "final_block": 4,
+         "ctx": 8, "gen_len": 4}
+    grid = [3e-3, 3e-4, 1e-3]
+    sw = xp.lr_sweep("lm-base", "smoke", None, None, S, 0, [], val, None, 9, "cpu", grid)
+    assert {p: sw.at_best(p)["lr"] for p in best} == best
+    assert len(calls) == 9 and list(sw.table.lr[:3]) == sorted(grid)
+    xp.lr_sweep("lm-base", "smoke", None, None, S, 0, [], val, None, 9, "cpu", grid)
+    assert len(calls) == 9                                                  # all from the cache
+
+
+def test_c3_intervals_orient_every_row_so_that_nbdiff_wins_above_zero():
+    rng = np.random.default_rng(0)
+    items = rng.integers(0, 2, 300).astype(float)
+    rows = rng.normal(3.0, 0.1, 200)
+    scores = {"nbdiff": {"items": np.ones(300), "rows": rows - 0.5},        # right and lower
+              "anneal": {"items": items, "rows": rows},
+              "direct": {"items": np.ones(300), "rows": rows + 0.0}}
+    t = xp.c3_intervals(scores)
+    assert list(t.index) == ["accuracy: nbdiff - anneal", "nelbo: anneal - nbdiff",
+                             "accuracy: nbdiff - direct", "nelbo: direct - nbdiff"]
+    assert t.loc["accuracy: nbdiff - anneal", "low"] > 0
+    assert t.loc["nelbo: anneal - nbdiff", "low"] > 0 and t.loc["nelbo: direct - nbdiff", "low"] > 0
+    assert t.loc["accuracy: nbdiff - direct", "diff"] == 0                  # a tie is no win
+    assert (t.n_items == [300, 200, 300, 200]).all()
 
 
 @pytest.mark.parametrize("n_rows", [4])
@@ -133,3 +181,14 @@ def test_speed_compare_rows():
     assert list(t.columns) == ["ar_tokens_per_s", "diffusion_tokens_per_s", "ratio"] and len(t) == 3
     assert (t > 0).all().all()
     assert ((t.ratio - t.diffusion_tokens_per_s / t.ar_tokens_per_s).abs() < 1e-9).all()
+
+
+def test_speed_counts_per_token():
+    m = tiny()
+    c = xp.speed_counts(m, m, _tok(0, 38), [[1, 5, 7], [1, 4]], 8, 4, 39)
+    assert list(c.index) == ["AR generate", "diffusion"]
+    assert (c.flops_per_token > 0).all() and (c.bytes_per_token > 0).all()
+    # block 4 of the same model: the diffusion decoder re-reads whole blocks, AR one token a step
+    assert c.flops_per_token["diffusion"] > c.flops_per_token["AR generate"]
+
+

@@ -162,3 +162,24 @@ def test_block_size_one_decoding_is_greedy_ar():
             lg[39] = -float("inf")
             seq.append(int(lg.argmax()))
     assert out[0].tolist() == seq[3:] and passes == 6
+
+
+def test_nelbo_rows_pool_to_the_bound_on_the_same_noise():
+    model, g = tiny(), torch.Generator().manual_seed(2)
+    x0, start = torch.randint(3, 39, (5, 12), generator=g), torch.tensor([1, 3, 1, 2, 4])
+    tot, cnt = nd.nelbo_rows(model, x0, start, 4, 39, True, draws=2, seed=7, batch=2)
+    assert tot.shape == cnt.shape == (5,) and (tot >= 0).all()
+    assert torch.equal(cnt, 2.0 * (12 - start).double())           # noisable: after the prompt
+    assert nd.nelbo(model, x0, start, 4, 39, True, draws=2, seed=7, batch=2) == \
+        pytest.approx(float(tot.sum() / cnt.sum()))
+    # by hand: diffusion_loss times its noisable count, summed over the same draws and batches
+    g, ref = torch.Generator().manual_seed(7), 0.0
+    for _ in range(2):
+        for i in range(0, 5, 2):
+            xb, sb = x0[i:i + 2], start[i:i + 2]
+            ids = torch.stack([nd.block_ids(12, 4, int(s)) for s in sb])
+            xt, masked, p = nd.noise(xb, ids, ids >= 0, 39, g)
+            with torch.no_grad():
+                lg, _ = nd.one_pass(model, xb, xt, ids, torch.arange(12).expand(len(xb), 12))
+            ref += float(nd.diffusion_loss(lg, xb, masked, p, ids >= 0)) * int((ids >= 0).sum())
+    assert float(tot.sum()) == pytest.approx(ref, rel=1e-5)

@@ -34,8 +34,8 @@ from ..models import finetune, zoo
 
 __all__ = ["METHODS", "GROUP", "LR", "prepare", "probe_batch", "pretrained_weights",
            "reconstruction", "logit_change", "only_cores_trainable", "TaskData", "task_data",
-           "Evaluator", "cached_finetune", "finetune_all", "lr_sweep", "best_lrs", "paired_target",
-           "trajectories", "update",
+           "Evaluator", "cached_finetune", "finetune_all", "lr_sweep", "best_lrs", "target_scores",
+           "paired_target", "trajectories", "update",
            "span_table", "rank_table", "retention_at", "equal_target_level", "step_cost",
            "cost_table", "core_within_bound", "qfura_init_error", "qlora_init_error",
            "block_counts", "project_blocks", "block_trade", "inside_spectra", "blocks_figure"]
@@ -120,18 +120,22 @@ def only_cores_trainable(model: nn.Module) -> bool:
 @dataclass
 class TaskData:
     """What every fine-tune shares: the training examples and rows, the held-out target prompts
-    (the test items), the held-out prompts of each pretraining family, and a validation split
-    of the target family (``val_eval``, disjoint from both the training and the test prompts:
-    what the learning rate is selected on; empty when not drawn)."""
+    each checkpoint scores (``target_eval``), the held-out prompts of each pretraining family, a
+    validation split of the target family (``val_eval``, disjoint from the training and the
+    checkpoint prompts: what the learning rate is selected on; empty when not drawn) and the
+    claims' test prompts (``test``, a larger held-out set disjoint from the training and
+    validation prompts, scored once on the tuned models; empty when not drawn)."""
     family: str
     train: list
     pairs: list
     target_eval: list
     retain_eval: dict
     val_eval: list = ()
+    test: list = ()
 
     def eval_names(self) -> dict:
-        """The evaluation prompts, by name (part of each fine-tune's cache key)."""
+        """The evaluation prompts, by name (part of each fine-tune's cache key; the ``test``
+        prompts are not: no fine-tune sees them)."""
         out = {"target": [e.prompt for e in self.target_eval],
                "retain": {f: [e.prompt for e in v] for f, v in self.retain_eval.items()}}
         if self.val_eval:
@@ -140,12 +144,13 @@ class TaskData:
 
 
 def task_data(tok, family: str, n_train: int, n_eval: int, n_retain: int, retain_families,
-              seed: int, with_steps: bool, n_val: int = 0) -> TaskData:
+              seed: int, with_steps: bool, n_val: int = 0, n_test: int = 0) -> TaskData:
     """``n_train`` examples of ``family`` spread over its difficulties (seed ``100 + seed``),
     encoded; ``n_eval`` held-out target prompts at the middle difficulty that are not training
     prompts (seed ``999 + seed``); ``n_retain`` held-out prompts per pretraining family (seed
     ``998 + seed``); ``n_val`` validation prompts of the target family at the same difficulty,
-    neither training nor test prompts (seed ``997 + seed``)."""
+    neither training nor checkpoint prompts (seed ``997 + seed``); ``n_test`` test prompts at
+    the same difficulty, neither training nor validation prompts (seed ``996 + seed``)."""
     ds = tasks.get(family).difficulties
     per = -(-n_train // len(ds))
     train = [e for d in ds for e in tasks.generate(family, per, 100 + seed, d)][:n_train]
@@ -157,7 +162,10 @@ def task_data(tok, family: str, n_train: int, n_eval: int, n_retain: int, retain
     seen = {e.prompt for e in train} | {e.prompt for e in target_eval}
     val_eval = evaluate.heldout_examples(family, evaluate.MIDDLE[family], n_val, seen,
                                          seed=997 + seed)[0] if n_val else []
-    return TaskData(family, train, pairs, target_eval, retain_eval, val_eval)
+    test = evaluate.heldout_examples(family, evaluate.MIDDLE[family], n_test,
+                                     {e.prompt for e in [*train, *val_eval]},
+                                     seed=996 + seed)[0] if n_test else []
+    return TaskData(family, train, pairs, target_eval, retain_eval, val_eval, test)
 
 
 @dataclass
@@ -276,13 +284,18 @@ def best_lrs(sw: sweep.Sweep) -> dict:
     return {m: float(sw.at_best(m)["lr"]) for m in sw.table["method"].unique()}
 
 
-def paired_target(tuned: dict, tok, data: TaskData, with_steps: bool, a: str, others) -> dict:
-    """``a`` against each of ``others`` on the same test prompts: the paired bootstrap
-    (:func:`workbench.diagnostics.paired_bootstrap`) of their per-item exact match, ``{other:
-    {"diff", "low", "high", ...}}`` (``a`` minus ``other``)."""
-    score = {m: evaluate.item_scores(tuned[m], tok, data.target_eval, with_steps)
-             for m in [a, *others]}
-    return {m: diagnostics.paired_bootstrap(score[a], score[m]) for m in others}
+def target_scores(tuned: dict, tok, data: TaskData, with_steps: bool) -> dict:
+    """Per method, the exact match of each test prompt (``data.test``; the checkpoint prompts
+    ``target_eval`` when no test set was drawn): the items every paired comparison shares."""
+    items = data.test or data.target_eval
+    return {m: evaluate.item_scores(model, tok, items, with_steps) for m, model in tuned.items()}
+
+
+def paired_target(scores: dict, a: str, others) -> dict:
+    """``a`` against each of ``others`` on the same test prompts (per-item scores from
+    :func:`target_scores`): the paired bootstrap (:func:`workbench.diagnostics.paired_bootstrap`),
+    ``{other: {"diff", "low", "high", ...}}`` (``a`` minus ``other``)."""
+    return {m: diagnostics.paired_bootstrap(scores[a], scores[m]) for m in others}
 
 
 def trajectories(info: dict) -> pd.DataFrame:

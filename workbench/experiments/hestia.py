@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from workbench import evaluate
+from workbench import costs, evaluate
 from workbench.diagnostics import paired_bootstrap
 from workbench import quant as Q
 from workbench.data import corpus, packing, tasks
@@ -36,7 +36,7 @@ from workbench.plots import subplots
 __all__ = ["LIMITS", "KEY", "COLOR", "limits", "qat_config", "train_stream", "block_nll",
            "task_items", "Bed", "load_bed", "reference_rows", "sensitivities",
            "trace_table", "qat_methods", "qat_run", "qat_metrics", "row_table", "compare", "consistency",
-           "step_time", "step_times", "export_gguf", "c2_evidence", "schedule_figure",
+           "stepper", "step_costs", "export_gguf", "c2_evidence", "schedule_figure",
            "DEAD_SLOPE", "forward_curve", "dead_share", "relaxation_figure"]
 
 # the knobs' and sizes' allowed values, checked by run.sizes before anything runs
@@ -276,47 +276,36 @@ def consistency(models: dict, cfg: M.QATConfig, seed: int) -> dict:
     return out
 
 
-def step_time(model, x: torch.Tensor, mode: str, repeats: int = 7, temp: float = 0.3) -> float:
-    """Median seconds of one forward + backward + AdamW step in ``mode`` on batch ``x`` (C5).
+def stepper(model, x: torch.Tensor, mode: str, temp: float = 0.3):
+    """One forward + backward + AdamW step in ``mode`` on batch ``x``, as a callable (C5), on a
+    copy of ``model`` (its current weights, every ternary layer at temperature ``temp`` and full
+    pressure, a throw-away optimizer): calling it never touches ``model``."""
+    m = copy.deepcopy(model).train()
+    for layer in M.ternary_layers(m).values():
+        layer.mode, layer.temp, layer.pressure = mode, temp, 1.0
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-6, weight_decay=0.0)
 
-    Works on the given model's current weights with a throw-away optimizer; the weights are
-    restored afterwards, so the measurement leaves the model unchanged.
-    """
-    layers = M.ternary_layers(model)
-    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    knobs = {n: (m.temp, m.pressure) for n, m in layers.items()}
-    with M.mode_as(model, mode):
-        for m in layers.values():
-            m.temp, m.pressure = temp, 1.0
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
-        model.train()
-        times = []
-        for i in range(repeats + 1):                   # the first repeat is a warm-up
-            if x.is_cuda:
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            loss = model(input_ids=x, labels=x).loss
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            if x.is_cuda:
-                torch.cuda.synchronize()
-            if i:
-                times.append(time.perf_counter() - t)
-        model.eval()
-    model.load_state_dict(saved)
-    for n, m in layers.items():
-        m.temp, m.pressure = knobs[n]
-    return float(np.median(times))
+    def step():
+        loss = m(input_ids=x, labels=x).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if x.is_cuda:
+            torch.cuda.synchronize()
+    return step
 
 
-def step_times(model, x: torch.Tensor, rounds: int, temp: float) -> tuple[list, list]:
-    """:func:`step_time` of STE and Hestia, alternating for ``rounds`` rounds (two repeats each)."""
-    t_ste, t_hes = [], []
-    for _ in range(rounds):
-        t_ste.append(step_time(model, x, "ste", repeats=2))
-        t_hes.append(step_time(model, x, "hestia", repeats=2, temp=temp))
-    return t_ste, t_hes
+def step_costs(model, x: torch.Tensor, rounds: int, temp: float) -> tuple[pd.DataFrame, dict]:
+    """C5, side by side: the seconds of a :func:`stepper` step of STE and of Hestia over
+    ``rounds`` interleaved rounds (:func:`workbench.costs.interleaved`, ABBA after a warm-up),
+    with each round's ratio Hestia / STE; and the floating-point operations and bytes moved of
+    one step of each (:func:`workbench.costs.flops`, :func:`workbench.costs.bytes_moved`)."""
+    steps = {"STE": stepper(model, x, "ste", temp), "Hestia": stepper(model, x, "hestia", temp)}
+    t = costs.interleaved(steps, rounds)
+    t["ratio"] = t["Hestia"] / t["STE"]
+    counts = {"flops": {k: costs.flops(f) for k, f in steps.items()},
+              "bytes": {k: costs.bytes_moved(f) for k, f in steps.items()}}
+    return t, counts
 
 
 def export_gguf(model, bed: Bed, path, name: str, metadata: dict, ppl_memory: float,

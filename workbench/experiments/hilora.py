@@ -25,16 +25,14 @@ The method (ROCs, the Gaussians, selection, allocation, the routed hooks) is
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 from sklearn.linear_model import LogisticRegression
 
-from .. import diagnostics, evaluate, plots
+from .. import costs, diagnostics, evaluate, plots
 from ..data import tasks
 from ..methods import hilora as hl
 from ..methods import lorahub as lh
@@ -361,23 +359,12 @@ def _paths(bed: Bed, prompts: list[str], gauss: list, new_tokens: int, temperatu
 def throughput(bed: Bed, prompts: list[str], gauss: list, new_tokens: int, repeats: int,
                temperature: float, threshold: float, k_max: int, budget: int,
                adapter: str = "sort") -> pd.DataFrame:
-    """C4: tokens/s of both paths (:func:`_paths`) over ``repeats`` alternating repeats (the
-    order flips every repeat, ABBA, so that neither path always runs second), and per repeat the
-    ratio HiLoRA / single LoRA of the two runs side by side: a burst of load hits a pair alike.
-    One untimed run of each path comes first, so that first-call costs (allocations, lazy
-    initialisation) are not timed."""
+    """C4: tokens/s of both paths (:func:`_paths`) over ``repeats`` alternating repeats
+    (:func:`workbench.costs.interleaved`: the order flips every repeat, ABBA, so that neither
+    path always runs second, after one untimed run of each), and per repeat the ratio HiLoRA /
+    single LoRA of the two runs side by side: a burst of load hits a pair alike."""
     paths = _paths(bed, prompts, gauss, new_tokens, temperature, threshold, k_max, budget, adapter)
-    for fn in paths.values():
-        fn()
-    rows = []
-    for i in range(repeats):
-        row = {}
-        for name in (list(paths) if i % 2 == 0 else list(paths)[::-1]):
-            t0 = time.perf_counter()
-            paths[name]()
-            row[name] = len(prompts) * new_tokens / (time.perf_counter() - t0)
-        rows.append(row)
-    out = pd.DataFrame(rows)
+    out = len(prompts) * new_tokens / costs.interleaved(paths, repeats)     # tokens/s
     out["ratio"] = out["HiLoRA"] / out["single peft LoRA"]
     return out
 
@@ -393,9 +380,7 @@ def flops_per_token(bed: Bed, prompts: list[str], gauss: list, new_tokens: int,
     paths = _paths(bed, prompts, gauss, new_tokens, temperature, threshold, k_max, budget, adapter)
     out = {}
     for name, fn in paths.items():
-        with FlopCounterMode(display=False) as fc:
-            fn()
-        out[name] = fc.get_total_flops()
+        out[name] = costs.flops(fn)
     d = len(gauss[0][0])
     out["HiLoRA"] += len(gauss) * (d ** 3 / 3 + len(prompts) * (d ** 2 + 2 * d))
     return {name: f / (len(prompts) * new_tokens) for name, f in out.items()}

@@ -2,12 +2,15 @@
 LM, :mod:`workbench.methods.nbdiff`).
 
 The mask checks of C1 (a table over block sizes and prompt offsets, and the 4D mask through the
-zoo's Llama), the training data (task problems and corpus rows), the three adaptation paths of C3
-trained once per seed and cached (:func:`workbench.cache.build`), the one-pass vs two-pass loss
-of C2, task accuracy of a decoder, and the parallel-decoding grid of C4 (ours: a fixed number of tokens a pass, no cache; the
-reference's: confidence threshold, causal first token, KV cache) and tokens per second of the
-reference decoder against the AR model's cached ``generate``, like for like; for the explorer, one problem decoded with the pass that wrote each token, drawn
-under its block mask.
+zoo's Llama), the training, validation and test problems and corpus rows, the three adaptation
+paths of C3 trained once per seed and learning rate and cached (:func:`workbench.cache.build`),
+each path's rate selected on the validation problems (:func:`lr_sweep`), C3's per-item scores
+and paired intervals, the one-pass vs two-pass loss of C2, task accuracy of a decoder, and the
+parallel-decoding grid of C4 (ours: a fixed number of tokens a pass, no cache; the reference's:
+confidence threshold, causal first token, KV cache) and tokens per second of the reference
+decoder against the AR model's cached ``generate``, like for like, timed in interleaved rounds
+with the FLOP and byte counts beside them (:mod:`workbench.costs`); for the explorer, one
+problem decoded with the pass that wrote each token, drawn under its block mask.
 """
 from __future__ import annotations
 
@@ -18,14 +21,15 @@ import pandas as pd
 import torch
 from transformers import AutoModelForCausalLM
 
-from .. import cache, evaluate, plots
+from .. import cache, costs, diagnostics, evaluate, plots, sweep
 from ..data import corpus, tasks
 from ..methods import nbdiff as nd
 from ..models import zoo
 
 __all__ = ["GROUP", "mask_table", "mask_reaches_model", "problems", "training_rows",
-           "SETTINGS", "adapted", "adapt_all", "one_vs_two_pass", "prompt_ids", "accuracy",
-           "parallel_grid", "ar_baseline", "threshold_grid", "ar_generate", "speed_compare",
+           "SETTINGS", "adapted", "adapt_all", "lr_sweep", "one_vs_two_pass", "prompt_ids",
+           "item_accuracy", "accuracy", "path_scores", "c3_intervals", "parallel_grid",
+           "ar_baseline", "threshold_grid", "ar_generate", "speed_compare", "speed_counts",
            "decode_sample", "sample_figure"]
 
 GROUP = "nbdiff"        # cache.folder("nbdiff"): the adapted models
@@ -69,20 +73,24 @@ def mask_reaches_model(model, x: torch.Tensor, ctx: int) -> dict:
 
 # -- the data and the three adaptation paths ------------------------------------------------------
 
-def problems(families, n_train: int, n_test: int, seed: int) -> tuple[list, list]:
-    """Training and held-out problems: per family and difficulty, ``n_train`` (``n_test``)
-    divided over the difficulties, drawn from the task's train (test) split with one numpy
-    generator seeded ``seed``."""
+def problems(families, n_train: int, n_test: int, seed: int,
+             n_val: int = 0) -> tuple[list, list, list]:
+    """Training, validation and held-out problems: per family and difficulty, ``n_train``
+    (``n_val``, ``n_test``) divided over the difficulties, with one numpy generator seeded
+    ``seed``. Training and validation problems come from the task's train split (validation: the
+    next ones of the same permutation, so the training problems do not depend on ``n_val``; a
+    difficulty whose split is used up gives fewer), test problems from its test split."""
     rng = np.random.default_rng(seed)
-    train, test = [], []
+    train, val, test = [], [], []
     for f in families:
         diffs = tasks.get(f).difficulties
         for d in diffs:
             tr, te = tasks.problem_split(f, d)
-            k = max(1, n_train // len(diffs))
-            train += [tr[i] for i in rng.permutation(len(tr))[:k]]
+            k, order = max(1, n_train // len(diffs)), rng.permutation(len(tr))
+            train += [tr[i] for i in order[:k]]
+            val += [tr[i] for i in order[k:k + n_val // len(diffs)]]
             test += [te[i] for i in rng.permutation(len(te))[:max(1, n_test // len(diffs))]]
-    return train, test
+    return train, val, test
 
 
 def training_rows(tok, train, ctx: int, n_corpus: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,14 +129,39 @@ def adapted(base: str, zoo_scale: str, path: str, x0, start, S: dict, seed: int,
     return m, np.load(where / "losses.npy"), cached
 
 
-def adapt_all(base: str, zoo_scale: str, x0, start, S: dict, seed: int, train, device: str):
-    """Every path of :data:`~workbench.methods.nbdiff.PATHS`, in order, through :func:`adapted`.
-    Returns ``(models, losses, cached)``, each by path."""
+def adapt_all(base: str, zoo_scale: str, x0, start, S: dict, seed: int, train, device: str,
+              lrs: dict):
+    """Every path of :data:`~workbench.methods.nbdiff.PATHS`, in order, through :func:`adapted`,
+    each at its learning rate ``lrs[path]``. Returns ``(models, losses, cached)``, each by path."""
     models, losses, cached = {}, {}, {}
     for path in nd.PATHS:
-        models[path], losses[path], cached[path] = adapted(base, zoo_scale, path, x0, start, S,
-                                                           seed, train, device)
+        models[path], losses[path], cached[path] = adapted(
+            base, zoo_scale, path, x0, start, {**S, "lr": lrs[path]}, seed, train, device)
     return models, losses, cached
+
+
+def lr_sweep(base: str, zoo_scale: str, x0, start, S: dict, seed: int, train, val, tok,
+             mask_id: int, device: str, grid) -> sweep.Sweep:
+    """Every path on the same learning-rate ``grid`` (:func:`workbench.sweep.sweep`): each
+    fine-tune through :func:`adapted` (cached), scored on the validation problems ``val``
+    (``val_accuracy``: decoding at the final block size, one token a pass, as C3 judges) and by
+    its last 20 steps' training loss; each path's rate is selected on ``val_accuracy`` (ties to
+    the lower rate), never on the test problems. The scores are kept in the sweep's cache."""
+    prompts = prompt_ids(tok, val)
+
+    def run(path, lr):
+        m, losses, _ = adapted(base, zoo_scale, path, x0, start, {**S, "lr": lr}, seed, train,
+                               device)
+        acc, _ = accuracy(m, tok, prompts, val, S["gen_len"], S["final_block"], 1, mask_id,
+                          path == "nbdiff")
+        return {"val_accuracy": acc, "final_loss": float(np.mean(losses[-20:]))}
+
+    settings = {k: S[k] for k in SETTINGS if k != "lr"}
+    where = cache.folder(GROUP) / ("sweep-" + cache.key(
+        zoo.recipe(base).key(zoo_scale), settings, S["gen_len"], seed,
+        [e.prompt for e in train], [e.prompt for e in val]))
+    return sweep.sweep(run, list(nd.PATHS), sorted(grid), "val_accuracy", cache_dir=where,
+                       desc="learning-rate sweep")
 
 
 # -- C2: one pass against two --------------------------------------------------------------------
@@ -161,14 +194,52 @@ def prompt_ids(tok, examples) -> list[list[int]]:
     return [[tok.bos_token_id] + tok(e.prompt, add_special_tokens=False).input_ids for e in examples]
 
 
-def accuracy(model, tok, prompts, examples, gen_len: int, size: int, per_pass: int, mask_id: int,
-             context_causal: bool) -> tuple[float, int]:
-    """Exact match of block-diffusion decoding (:func:`~workbench.methods.nbdiff.decode`, the
-    first line of each completion) on ``examples``, and the forward passes it took."""
+def item_accuracy(model, tok, prompts, examples, gen_len: int, size: int, per_pass: int,
+                  mask_id: int, context_causal: bool) -> tuple[np.ndarray, int]:
+    """Per-example exact match (0/1) of block-diffusion decoding
+    (:func:`~workbench.methods.nbdiff.decode`, the first line of each completion) on
+    ``examples``, and the forward passes it took."""
     out, passes = nd.decode(model, prompts, gen_len, size, per_pass, mask_id, context_causal,
                             tok.pad_token_id)
     comps = [tok.decode(o, skip_special_tokens=True).split("\n")[0] for o in out]
-    return float(np.mean([tasks.score(e, c) for e, c in zip(examples, comps)])), passes
+    return np.array([float(tasks.score(e, c)) for e, c in zip(examples, comps)]), passes
+
+
+def accuracy(model, tok, prompts, examples, gen_len: int, size: int, per_pass: int, mask_id: int,
+             context_causal: bool) -> tuple[float, int]:
+    """The mean of :func:`item_accuracy`, and the forward passes it took."""
+    items, passes = item_accuracy(model, tok, prompts, examples, gen_len, size, per_pass, mask_id,
+                                  context_causal)
+    return float(items.mean()), passes
+
+
+def path_scores(models: dict, tok, prompts, examples, held, S: dict, mask_id: int,
+                seed: int) -> dict:
+    """C3's scores per path, on the same items for every path: ``items``, the exact match of each
+    test problem (final block size, one token a pass), and ``rows``, the diffusion bound per
+    token of each held-out corpus row (:func:`~workbench.methods.nbdiff.nelbo_rows`, the same
+    noise draws for every path)."""
+    out = {}
+    for path, m in models.items():
+        cc = path == "nbdiff"
+        items, _ = item_accuracy(m, tok, prompts, examples, S["gen_len"], S["final_block"], 1,
+                                 mask_id, cc)
+        tot, cnt = nd.nelbo_rows(m, held, torch.ones(len(held), dtype=torch.long),
+                                 S["final_block"], mask_id, cc, S["nelbo_draws"], seed)
+        out[path] = {"items": items, "rows": (tot / cnt).numpy()}
+    return out
+
+
+def c3_intervals(scores: dict, method: str = "nbdiff", seed: int = 0) -> pd.DataFrame:
+    """Paired bootstrap intervals (:func:`workbench.diagnostics.paired_table`) of ``method``
+    against each other path, oriented so that ``method`` is better where low > 0: accuracy
+    ``method`` minus rival over the test problems, diffusion bound rival minus ``method`` over
+    the held-out rows."""
+    pairs = {}
+    for rival in (p for p in scores if p != method):
+        pairs[f"accuracy: {method} - {rival}"] = (scores[method]["items"], scores[rival]["items"])
+        pairs[f"nelbo: {rival} - {method}"] = (scores[rival]["rows"], scores[method]["rows"])
+    return diagnostics.paired_table(pairs, seed=seed)
 
 
 def parallel_grid(model, tok, prompts, examples, gen_len: int, mask_id: int,
@@ -226,28 +297,39 @@ def ar_generate(model, tok, prompts, gen_len: int) -> torch.Tensor:
     return out[:, L:]
 
 
+def _decoders(ar, model, tok, prompts, gen_len: int, size: int, mask_id: int,
+              threshold: float) -> dict:
+    """C4's two decoders as callables on the same prompts: the AR model's cached
+    :func:`ar_generate` and the reference decoder with its cache at block ``size``."""
+    return {"AR generate": lambda: ar_generate(ar, tok, prompts, gen_len),
+            "diffusion": lambda: nd.decode_threshold(model, prompts, gen_len, size, mask_id,
+                                                     threshold, True, tok.pad_token_id)}
+
+
 def speed_compare(ar, model, tok, prompts, gen_len: int, size: int, mask_id: int,
                   threshold: float = 0.9, repeats: int = 7) -> pd.DataFrame:
-    """Tokens per second, like for like: the AR model's cached :func:`ar_generate` and the
-    reference decoder with its cache at block ``size``, on the same prompts in one batch, the same
-    ``gen_len`` tokens each, timed in ``repeats`` interleaved pairs (after one untimed warm-up
-    of each). One row per repeat: both rates and their ratio (diffusion / AR)."""
-    def diffusion():
-        return nd.decode_threshold(model, prompts, gen_len, size, mask_id, threshold, True,
-                                   tok.pad_token_id)
+    """Tokens per second, like for like: the two decoders of :func:`_decoders` on the same
+    prompts in one batch, the same ``gen_len`` tokens each, timed in ``repeats`` interleaved
+    rounds (:func:`workbench.costs.interleaved`: ABBA, after an untimed warm-up of each). One
+    row per round: both rates and their ratio (diffusion / AR)."""
+    t = costs.interleaved(_decoders(ar, model, tok, prompts, gen_len, size, mask_id, threshold),
+                          repeats)
+    rate = len(prompts) * gen_len / t
+    return pd.DataFrame({"ar_tokens_per_s": rate["AR generate"],
+                         "diffusion_tokens_per_s": rate["diffusion"],
+                         "ratio": rate["diffusion"] / rate["AR generate"]})
 
-    def timed(f):
-        t0 = time.perf_counter()
-        f()
-        return len(prompts) * gen_len / (time.perf_counter() - t0)
 
-    ar_generate(ar, tok, prompts, gen_len), diffusion()
-    rows = []
-    for _ in range(repeats):
-        a = timed(lambda: ar_generate(ar, tok, prompts, gen_len))
-        d = timed(diffusion)
-        rows.append({"ar_tokens_per_s": a, "diffusion_tokens_per_s": d, "ratio": d / a})
-    return pd.DataFrame(rows)
+def speed_counts(ar, model, tok, prompts, gen_len: int, size: int, mask_id: int,
+                 threshold: float = 0.9) -> pd.DataFrame:
+    """The counts no load can move, per generated token, for one run of each decoder of
+    :func:`_decoders`: floating-point operations (:func:`workbench.costs.flops`: matrix products
+    and attention) and bytes read and written (:func:`workbench.costs.bytes_moved`)."""
+    dec = _decoders(ar, model, tok, prompts, gen_len, size, mask_id, threshold)
+    n = len(prompts) * gen_len
+    return pd.DataFrame({name: {"flops_per_token": costs.flops(f) / n,
+                                "bytes_per_token": costs.bytes_moved(f) / n}
+                         for name, f in dec.items()}).T
 
 
 # -- the explorer: one problem decoded, under its mask ---------------------------------------------

@@ -44,9 +44,10 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 __all__ = ["EPS", "PATHS", "block_ids", "block_mask", "parallel_mask", "additive", "add_mask_token",
-           "p_mask", "noise", "shifted_logits", "diffusion_loss", "one_pass", "two_pass", "ar_loss",
-           "curriculum", "anneal_fraction", "annealed_parallel_mask", "nelbo_ppl", "task_rows",
-           "train_step_loss", "adapt", "decode", "threshold_commit", "decode_threshold", "nelbo"]
+           "p_mask", "noise", "shifted_logits", "weighted_ce", "diffusion_loss", "one_pass",
+           "two_pass", "ar_loss", "curriculum", "anneal_fraction", "annealed_parallel_mask",
+           "nelbo_ppl", "task_rows", "train_step_loss", "adapt", "decode", "threshold_commit",
+           "decode_threshold", "nelbo_rows", "nelbo"]
 
 EPS = 1e-3          # LLaDA's floor on p_mask
 
@@ -129,11 +130,17 @@ def shifted_logits(noisy_out: torch.Tensor, clean_out: torch.Tensor, ids: torch.
     return torch.cat([torch.zeros_like(pred[:, :1]), pred], dim=1)
 
 
+def weighted_ce(logits, x0, masked, p):
+    """Per token (B, n): CE / p_mask where the token is masked, 0 elsewhere (the summand of
+    :func:`diffusion_loss`)."""
+    ce = F.cross_entropy(logits.float().transpose(1, 2), x0, reduction="none")
+    return ce * masked / p
+
+
 def diffusion_loss(logits, x0, masked, p, noisable):
     """Masked-diffusion loss: sum over masked tokens of CE / p_mask, over the noisable tokens
     (LLaDA's weighting; an upper bound on the NLL per token)."""
-    ce = F.cross_entropy(logits.float().transpose(1, 2), x0, reduction="none")
-    return (ce * masked / p).sum() / noisable.sum().clamp(min=1)
+    return weighted_ce(logits, x0, masked, p).sum() / noisable.sum().clamp(min=1)
 
 
 def one_pass(model, x0, xt, ids, positions, context_causal: bool = True):
@@ -400,23 +407,35 @@ def decode_threshold(model, prompt_ids: list[list[int]], gen_len: int, size: int
 
 
 @torch.no_grad()
+def nelbo_rows(model, x0, start, size: int, mask_id: int, context_causal: bool, draws: int = 4,
+               seed: int = 0, batch: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of ``x0``: the Monte-Carlo diffusion bound summed over its noisable tokens, and
+    their count, over ``draws`` fixed noise draws (the same ``seed`` for every model compared).
+    ``total / count`` is a row's bound per token; :func:`nelbo` pools the rows."""
+    g = torch.Generator().manual_seed(seed)
+    model.eval()
+    n = x0.shape[1]
+    tot, cnt = torch.zeros(len(x0), dtype=torch.float64), torch.zeros(len(x0), dtype=torch.float64)
+    with torch.no_grad():
+        for _ in range(draws):
+            for i in range(0, len(x0), batch):
+                xb, sb = x0[i:i + batch], start[i:i + batch]
+                ids = torch.stack([block_ids(n, size, int(s)) for s in sb])
+                noisable = ids >= 0
+                xt, masked, p = noise(xb, ids, noisable, mask_id, g)
+                logits, _ = one_pass(model, xb, xt, ids, torch.arange(n).expand(len(xb), n),
+                                     context_causal)
+                dev = logits.device
+                wce = weighted_ce(logits, xb.to(dev), masked.to(dev), p.to(dev))
+                tot[i:i + len(xb)] += wce.sum(1).double().cpu()
+                cnt[i:i + len(xb)] += noisable.sum(1)
+    return tot, cnt
+
+
 def nelbo(model, x0, start, size: int, mask_id: int, context_causal: bool, draws: int = 4,
           seed: int = 0, batch: int = 64) -> float:
     """Monte-Carlo diffusion bound (NELBO) per noisable token at block size ``size``, on fixed
-    noise draws (the same ``seed`` for every model compared): exp of it bounds the perplexity."""
-    g = torch.Generator().manual_seed(seed)
-    model.eval()
-    tot, cnt = 0.0, 0
-    n = x0.shape[1]
-    for _ in range(draws):
-        for i in range(0, len(x0), batch):
-            xb, sb = x0[i:i + batch], start[i:i + batch]
-            ids = torch.stack([block_ids(n, size, int(s)) for s in sb])
-            noisable = ids >= 0
-            xt, masked, p = noise(xb, ids, noisable, mask_id, g)
-            logits, _ = one_pass(model, xb, xt, ids, torch.arange(n).expand(len(xb), n), context_causal)
-            dev = logits.device
-            tot += float(diffusion_loss(logits, xb.to(dev), masked.to(dev), p.to(dev),
-                                        noisable.to(dev))) * int(noisable.sum())
-            cnt += int(noisable.sum())
-    return tot / max(cnt, 1)
+    noise draws (the same ``seed`` for every model compared): exp of it bounds the perplexity.
+    The rows of :func:`nelbo_rows`, pooled."""
+    tot, cnt = nelbo_rows(model, x0, start, size, mask_id, context_causal, draws, seed, batch)
+    return float(tot.sum() / cnt.sum().clamp(min=1))
