@@ -71,6 +71,11 @@ def seed_everything(seed: int) -> dict:
     return info
 
 
+def placement_requested() -> bool:
+    """Whether the device audit is on (``WORKBENCH_DEVICE_AUDIT=1``, see placement.py)."""
+    return os.environ.get("WORKBENCH_DEVICE_AUDIT", "") not in ("", "0")
+
+
 def pick_device(device: str = "auto"):
     """``auto`` -> CUDA when present, else CPU. An explicit device must exist."""
     import torch
@@ -161,6 +166,10 @@ class Run:
         self.t0 = time.time()
         self.determinism = seed_everything(self.seed)
         self.device = pick_device(device)
+        if self.device.type == "cpu" and placement_requested():
+            from . import placement            # the device audit (placement.py): cpu:0 stands
+            placement.start()                  # for a device reached only through run.device
+            self.device = placement.SENTINEL
         self.out_dir = Path(out_dir) if out_dir else interactive_dir(slug)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "figures").mkdir(exist_ok=True)
@@ -297,6 +306,9 @@ class Run:
         (self.out_dir / "params.json").write_text(json.dumps(summary["params"], indent=2))
         env = environment_info(self.device)
         env["determinism"] = self.determinism
+        if placement_requested():
+            from . import placement
+            (self.out_dir / "device_audit.json").write_text(json.dumps(placement.report(), indent=2))
         (self.out_dir / "env.json").write_text(json.dumps(env, indent=2))
         self.finished = True
         verdicts = Verdicts(summary, self.out_dir)
