@@ -91,6 +91,24 @@ def pick_device(device: str = "auto"):
     return torch.device(device)
 
 
+def fast_math(device, enabled: bool = True):
+    """bf16 autocast and TF32 matmuls on CUDA for a training or evaluation block; nothing
+    elsewhere (a CPU run is bit for bit what it was): ``with fast_math(run.device): ...``.
+
+    Used by the LM training loops (zoo builds, LoRA fine-tunes, FURA, NBDiff). Not where a
+    claim is about precision itself: Hestia's (10) and NFI's (12) numerics are measured in the
+    dtypes they name, and quantizers compare reconstruction errors in float32 (14, 16's QLoRA
+    base); those run without it (``enabled=False`` says so at a call site)."""
+    import contextlib
+    import torch
+    dev = torch.device(device) if not isinstance(device, torch.device) else device
+    if not enabled or dev.type != "cuda":
+        return contextlib.nullcontext()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    return torch.autocast("cuda", dtype=torch.bfloat16)
+
+
 def _jsonable(value: Any) -> Any:
     """Plain JSON types from numpy/torch scalars, arrays, paths; NaN and inf become None."""
     if isinstance(value, dict):
