@@ -71,10 +71,11 @@ def _where() -> str:
     """The innermost frame of workbench or notebook code (not torch, transformers, this file)."""
     for frame in reversed(traceback.extract_stack()[:-3]):
         f = frame.filename
-        if f.endswith("placement.py"):
+        if f.endswith("/workbench/placement.py"):
             continue
         if "/workbench/" in f or "ipykernel" in f or "<ipython-input" in f or "/tests/" in f:
-            short = f.split("/workbench/", 1)[-1] if "/workbench/" in f else "notebook cell"
+            short = f.split("/workbench/", 1)[-1] if "/workbench/" in f else \
+                f.rsplit("/", 1)[-1] if "/tests/" in f else "notebook cell"
             return f"{short}:{frame.lineno} ({frame.name}): {(frame.line or '').strip()[:80]}"
     return "?"
 
@@ -183,6 +184,16 @@ def _module_cpu(original):
     return cpu
 
 
+def _parameter_new(original):
+    def new(cls, data=None, requires_grad=True):
+        p = original(cls, data, requires_grad)
+        if on_device(data):                      # nn.Parameter(w.detach().clone()) stays put
+            _mark(p)
+        return p
+    new._wb_original = original
+    return new
+
+
 def _tensors(module):
     return [*module.parameters(), *module.buffers()]
 
@@ -195,6 +206,7 @@ def start() -> Audit:
         _active.__enter__()
         torch.nn.Module.to = _module_to(torch.nn.Module.to)
         torch.nn.Module.cpu = _module_cpu(torch.nn.Module.cpu)
+        torch.nn.Parameter.__new__ = staticmethod(_parameter_new(torch.nn.Parameter.__new__))
     return _active
 
 
@@ -207,6 +219,7 @@ def stop() -> list[dict]:
     _active.__exit__(None, None, None)
     torch.nn.Module.to = torch.nn.Module.to._wb_original
     torch.nn.Module.cpu = torch.nn.Module.cpu._wb_original
+    torch.nn.Parameter.__new__ = staticmethod(torch.nn.Parameter.__new__._wb_original)
     _active = None
     return found
 

@@ -284,7 +284,7 @@ def c11(p, S):
 def c12(p, S):
     P = 2 * S["hidden"] * S["hidden"] + S["mod_p"] * S["hidden"] * 3
     Pd = 64 * S["digits_hidden"] + 2 * S["digits_hidden"] ** 2
-    variants = 4                                                 # dtype variants of each run
+    variants = 3                                         # float32, float64, zero-sum (VARIANTS)
     n_mod = S["mod_p"] ** 2 * S["train_frac"]
     return [_mlp(P, variants * S["steps"] * n_mod, variants * S["steps"], "modular addition"),
             _mlp(Pd, variants * S["digits_steps"] * S["digits_n"], variants * S["digits_steps"],
@@ -428,11 +428,12 @@ def missing_builds(p: dict, S: dict) -> list[Cost]:
     for key in ("candidates", "encoder"):
         v = S.get(key)
         names |= set(v if isinstance(v, list) else [v] if v else [])
-    out = []
+    out, seen = [], set()
     for name in sorted(n for n in names if n in recipes.RECIPES):
         r = recipes.RECIPES[name]
         chain = [name] + ([r.init_from] if r.init_from else [])
-        for n in chain:
+        for n in (n for n in chain if n not in seen):
+            seen.add(n)
             built = cache.folder("zoo") / f"{n}-{scale}-{recipes.RECIPES[n].key(scale)}"
             if not (built / "card.json").exists():
                 out.append(zoo_build(n, scale))

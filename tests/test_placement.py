@@ -1,0 +1,97 @@
+"""The device audit (workbench/placement.py) fails on the placement mistakes a CPU run hides,
+and the notebooks it was run on leave nothing on the host."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from workbench import placement as P
+from workbench.runtime import fast_math
+
+DEV = P.SENTINEL
+
+
+@pytest.fixture
+def audit():
+    a = P.start()
+    a.violations.clear()
+    yield a
+    P.stop()
+
+
+def kinds():
+    return sorted({v["kind"] for v in P.report()})
+
+
+def test_a_model_left_on_the_host_is_caught(audit):
+    m = torch.nn.Linear(4, 3)                     # never moved, as 07's LM was
+    m(torch.randn(2, 4).to(DEV))
+    assert kinds() == ["host-parameter"]
+    assert "test_placement.py" in P.report()[0]["where"]
+
+
+def test_a_moved_model_with_moved_inputs_is_clean(audit):
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).to(DEV)
+    x = torch.randn(5, 4).to(DEV)
+    m(x).sum().backward()
+    extra = torch.zeros(5, 2, device=x.device)    # a device taken from a tensor follows it
+    (m(x) + extra).mean()
+    assert P.report() == []
+
+
+def test_a_host_input_to_a_moved_model_is_caught(audit):
+    m = torch.nn.Linear(4, 3).to(DEV)
+    m(torch.randn(2, 4))                          # the tokenizer's tensors, never moved
+    assert kinds() == ["mixed"]
+
+
+def test_an_adapter_built_after_the_move_is_caught(audit):
+    base = torch.nn.Linear(4, 4).to(DEV)
+    lora = torch.nn.Linear(4, 4, bias=False)      # created on the host after base.to(device)
+    x = torch.randn(2, 4).to(DEV)
+    base(x) + lora(x)
+    assert "host-parameter" in kinds()
+
+
+def test_moving_back_to_the_cpu_string_leaves_the_device(audit):
+    m = torch.nn.Linear(4, 3).to(DEV).to("cpu")   # zoo.load's default device="cpu"
+    m(torch.randn(2, 4).to(DEV))
+    assert kinds() == ["host-parameter"]
+
+
+def test_clones_of_device_weights_stay_on_the_device(audit):
+    lin = torch.nn.Linear(4, 4).to(DEV)
+    w = torch.nn.Parameter(lin.weight.detach().clone())     # hestia's and quant's wrappers
+    torch.nn.functional.linear(torch.randn(2, 4).to(DEV), w)
+    assert P.report() == []
+
+
+def test_declared_host_work_is_not_audited(audit):
+    m = torch.nn.Linear(4, 3)
+    with P.host():
+        m(torch.randn(2, 4))
+    assert P.report() == []
+
+
+def test_fast_math_is_nothing_on_the_cpu():
+    x = torch.randn(8, 8)
+    with fast_math("cpu"):
+        y = x @ x
+    assert y.dtype == torch.float32 and torch.equal(y, x @ x)
+
+
+@pytest.mark.slow
+def test_notebook_07_leaves_nothing_on_the_host(tmp_path):
+    """07 at smoke under the audit (about 3x its plain time): no module computes with a host
+    parameter and no call mixes device and host tensors."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "WORKBENCH_DEVICE_AUDIT": "1"}
+    out = tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "workbench.cli", "run", "07", "--jobs", "1", "--out",
+                    str(out)], cwd=root, env=env, check=True, capture_output=True, timeout=900)
+    (found,) = list(out.rglob("device_audit.json"))
+    assert json.loads(found.read_text()) == []
