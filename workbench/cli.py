@@ -224,10 +224,10 @@ def cmd_plan(args) -> int:
     for r in rows:
         over = "  (over the 10-minute budget)" if r["h100_s"] > plan.BUDGET_S else ""
         print(f"{r['notebook']} at {r['scale']}: {r['flops']:.2e} FLOPs, peak "
-              f"{r['peak_gib']:.2f} GiB, about {plan._duration(r['h100_s'])} on one H100{over}"
-              + (f"; zoo builds first: {plan._duration(r['build_s'])}" if r["build_s"] else ""))
+              f"{r['peak_gib']:.2f} GiB, about {plan.duration(r['h100_s'])} on one H100{over}"
+              + (f"; zoo builds first: {plan.duration(r['build_s'])}" if r["build_s"] else ""))
         for ph in r["phases"]:
-            print(f"  {ph['what']:<40} {ph['flops']:9.2e} FLOPs  {plan._duration(ph['s']):>9}")
+            print(f"  {ph['what']:<40} {ph['flops']:9.2e} FLOPs  {plan.duration(ph['s']):>9}")
     print(f"assumed: {plan.assumptions()}")
     return 0
 

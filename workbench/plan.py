@@ -447,14 +447,14 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         own = [ph for ph in r["phases"] if not ph["what"].startswith("zoo:")]
         big = max(own, key=lambda ph: ph["s"]) if own else {"what": "-"}
-        builds = ", ".join(f"{ph['what'][4:]} {_duration(ph['s'])}" for ph in r["phases"]
+        builds = ", ".join(f"{ph['what'][4:]} {duration(ph['s'])}" for ph in r["phases"]
                            if ph["what"].startswith("zoo:")) or "-"
         lines.append(f"| {r['notebook']} | {r['flops']:.1e} | {r['peak_gib']:.2f} GiB | "
-                     f"{_duration(r['h100_s'])} | {big['what']} | {builds} |")
+                     f"{duration(r['h100_s'])} | {big['what']} | {builds} |")
     return "\n".join(lines)
 
 
-def _duration(s: float) -> str:
+def duration(s: float) -> str:
     return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
 
 
