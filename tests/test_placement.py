@@ -95,3 +95,11 @@ def test_notebook_07_leaves_nothing_on_the_host(tmp_path):
                     str(out)], cwd=root, env=env, check=True, capture_output=True, timeout=900)
     (found,) = list(out.rglob("device_audit.json"))
     assert json.loads(found.read_text()) == []
+
+
+def test_numpy_of_a_device_tensor_is_caught(audit):
+    x = torch.randn(3).to(DEV)
+    x.cpu().numpy()                               # fine
+    assert P.report() == []
+    x.numpy()                                     # an error on a GPU
+    assert kinds() == ["numpy"]

@@ -16,10 +16,11 @@ that reached the run's device and follows the marks through every torch call:
   the string ``"cpu"``) leave the result on the host, unmarked.
 * any other call's results are marked when one of its tensor inputs is.
 
-Two things are violations, each recorded with the line of workbench or notebook code that did it:
-``host-parameter``, a module computing with a parameter that never reached the run's device (a
-model left behind, an adapter built after the model was moved), and ``mixed``, a call given
-tensors of both kinds with more than one element (a device-mismatch error on a GPU). Work that is
+Three things are violations, each recorded with the line of workbench or notebook code that did
+it: ``host-parameter``, a module computing with a parameter that never reached the run's device
+(a model left behind, an adapter built after the model was moved); ``mixed``, a call given
+tensors of both kinds with more than one element (a device-mismatch error on a GPU); ``numpy``,
+a device tensor read by numpy without ``.cpu()`` (an error on a GPU). Work that is
 meant to run on the host (float64 linear algebra, scikit-learn features) goes inside
 ``with placement.host():``, which the audit skips. Slower than a plain run (a Python call per
 torch call): tests use it on small sizes.
@@ -127,7 +128,13 @@ class Audit(TorchFunctionMode):
         name = getattr(func, "__name__", str(func))
         ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        if name == "cpu":
+        if name == "cpu" or (name == "to" and _target(_to_device(args, kwargs)) is False):
+            if isinstance(out, torch.Tensor) and ins and out is ins[0]:
+                out = out.view_as(out)         # the sentinel's .cpu() returns itself: an alias
+            _mark(out, False)                  # on the host, as a GPU's .cpu() would give
+            return out
+        if name == "numpy" and ins and on_device(ins[0]):
+            self.flag("numpy", "numpy() of a device tensor (a GPU needs .cpu() first)")
             return out
         if name == "to":
             dest = _target(_to_device(args, kwargs))
