@@ -85,13 +85,15 @@ def test_fast_math_is_nothing_on_the_cpu():
 
 
 @pytest.mark.slow
-def test_notebook_07_leaves_nothing_on_the_host(tmp_path):
-    """07 at smoke under the audit (about 3x its plain time): no module computes with a host
-    parameter and no call mixes device and host tensors."""
+@pytest.mark.parametrize("number", ["01", "03", "05", "07", "15"])
+def test_a_notebook_leaves_nothing_on_the_host(number, tmp_path):
+    """The notebooks fixed for issue 34 at smoke under the audit (about 2-3x their plain time):
+    no module computes with a host parameter, no call mixes device and host tensors, no device
+    tensor goes to numpy."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "WORKBENCH_DEVICE_AUDIT": "1"}
     out = tmp_path / "run"
-    subprocess.run([sys.executable, "-m", "workbench.cli", "run", "07", "--jobs", "1", "--out",
+    subprocess.run([sys.executable, "-m", "workbench.cli", "run", number, "--jobs", "1", "--out",
                     str(out)], cwd=root, env=env, check=True, capture_output=True, timeout=900)
     (found,) = list(out.rglob("device_audit.json"))
     assert json.loads(found.read_text()) == []
@@ -103,3 +105,9 @@ def test_numpy_of_a_device_tensor_is_caught(audit):
     assert P.report() == []
     x.numpy()                                     # an error on a GPU
     assert kinds() == ["numpy"]
+
+
+def test_to_another_tensor_follows_that_tensor(audit):
+    w = torch.nn.Linear(4, 4).to(DEV).weight
+    host = torch.randn(4, 4)
+    assert P.on_device(host.to(w)) and not P.on_device(w.to(host))

@@ -128,19 +128,17 @@ class Audit(TorchFunctionMode):
         name = getattr(func, "__name__", str(func))
         ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        if name == "cpu" or (name == "to" and _target(_to_device(args, kwargs)) is False):
-            if isinstance(out, torch.Tensor) and ins and out is ins[0]:
-                out = out.view_as(out)         # the sentinel's .cpu() returns itself: an alias
-            _mark(out, False)                  # on the host, as a GPU's .cpu() would give
+        if name in ("cpu", "to"):
+            like = [a for a in args[1:] if isinstance(a, torch.Tensor)]   # .to(other_tensor)
+            dest = False if name == "cpu" else _target(_to_device(args, kwargs))
+            on = on_device(like[0]) if like else \
+                bool(ins and on_device(ins[0])) if dest is None else dest
+            if isinstance(out, torch.Tensor) and ins and out is ins[0] and on != on_device(out):
+                out = out.view_as(out)         # the sentinel moved nothing: mark an alias, as a
+            _mark(out, on)                     # GPU's copy would be, never the input itself
             return out
         if name == "numpy" and ins and on_device(ins[0]):
             self.flag("numpy", "numpy() of a device tensor (a GPU needs .cpu() first)")
-            return out
-        if name == "to":
-            dest = _target(_to_device(args, kwargs))
-            on = (ins and on_device(ins[0])) if dest is None else dest
-            for t in outs:
-                _mark(t, bool(on))
             return out
         marked = [t for t in ins if on_device(t)]
         if name not in _HOST_OK:
