@@ -55,3 +55,10 @@ def test_plan_imports_neither_torch_nor_transformers():
             "'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_a_full_run_prints_its_estimate_first():
+    from workbench import runtime
+    line = runtime.full_estimate("14-gsq", {"model_name": "lm-qbed", "zoo_scale": "smoke"})
+    assert "14-gsq: estimated" in line and "on one H100" in line
+    assert "no estimate" in runtime.full_estimate("99-none", {})

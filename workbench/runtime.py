@@ -475,7 +475,25 @@ def start(slug: str, namespace: dict | None = None, /, **params) -> Run:
     from . import plots
     plots.style()
     print(f"{slug}: scale={run.scale} seed={run.seed} device={run.device} out={run.out_dir}")
+    if run.scale == "full":
+        print(full_estimate(slug, run.params))
     return run
+
+
+def full_estimate(slug: str, params: dict) -> str:
+    """One line of ``workbench plan``'s estimate for a full run (DESIGN: printed before it runs);
+    a notebook outside ``notebooks/`` or without a cost model gets none."""
+    from . import plan
+    try:
+        knobs = {k: v for k, v in params.items()
+                 if v is not None and k not in RESERVED and not isinstance(v, (list, dict))}
+        est = plan.estimate(slug, notebooks_dir() / f"{slug}.ipynb", "full", knobs)
+    except (LookupError, OSError, ValueError, TypeError, NotebookError):
+        return f"{slug}: no estimate of this full run (workbench plan knows the shipped notebooks)"
+    builds = f", after {plan.duration(est.build_seconds)} of zoo builds" if est.build_seconds \
+        else ""
+    return (f"{slug}: estimated {est.flops:.1e} FLOPs, peak {est.peak_bytes / 2**30:.1f} GiB, "
+            f"about {plan.duration(est.seconds)} on one H100{builds} (workbench plan {slug[:2]})")
 
 
 def show(obj) -> None:
