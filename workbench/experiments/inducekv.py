@@ -67,9 +67,10 @@ def scenarios(stream: str, domain_stream: str = "") -> dict[str, list[tuple[str,
     return out
 
 
-def frozen_backbone(model: str, scale: str):
-    """The zoo backbone ``model`` at ``scale`` with every parameter frozen: ``(lm, tok)``."""
-    lm, tok = zoo.load(model, scale)
+def frozen_backbone(model: str, scale: str, device="cpu"):
+    """The zoo backbone ``model`` at ``scale`` on ``device``, every parameter frozen:
+    ``(lm, tok)``."""
+    lm, tok = zoo.load(model, scale, device=str(device))
     for p in lm.parameters():
         p.requires_grad_(False)
     return lm, tok
@@ -122,6 +123,11 @@ def slug(text: str) -> str:
 
 
 # -- C1: an entry is its prefix in context -------------------------------------------------------
+def _ids(lm, ids: list[int]) -> torch.Tensor:
+    """One row of token ids on ``lm``'s device."""
+    return torch.tensor([ids], device=lm.device)
+
+
 def _query_ids(tok, text: str) -> list[int]:
     return [tok.bos_token_id] + tok(text, add_special_tokens=False)["input_ids"]
 
@@ -138,11 +144,11 @@ def equivalence_table(lm, tok, data: dict, names: list[str], with_steps: bool) -
             pre, q = data[a]["pool"][0], data[b]["test"][0]
             e = K.make_entry(lm, tok, pre, a, with_steps)
             qi = _query_ids(tok, q.prompt + q.completion(with_steps))
-            full = lm(input_ids=torch.tensor([e.ids + qi]), output_hidden_states=True)
-            cached = K.forward_with_entries(lm, [e], torch.tensor([qi]), output_hidden_states=True)
+            full = lm(input_ids=_ids(lm, e.ids + qi), output_hidden_states=True)
+            cached = K.forward_with_entries(lm, [e], _ids(lm, qi), output_hidden_states=True)
             cache_, _ = K.build_cache(lm, [e])
-            wrong = lm(input_ids=torch.tensor([qi]), cache=cache_,
-                       position_ids=torch.arange(len(qi))[None]).logits[0]
+            wrong = lm(input_ids=_ids(lm, qi), cache=cache_,
+                       position_ids=torch.arange(len(qi), device=lm.device)[None]).logits[0]
             dl = float((full.logits[0, e.length:] - cached.logits[0]).abs().max())
             dh = max(float((hf[0, e.length:] - hc[0]).abs().max())
                      for hf, hc in zip(full.hidden_states, cached.hidden_states))
@@ -161,12 +167,13 @@ def two_entries_diff(lm, tok, data: dict, names: list[str], with_steps: bool) ->
     ea, eb = (K.make_entry(lm, tok, data[n]["pool"][1], n, with_steps) for n in names[:2])
     qi = _query_ids(tok, data[names[-1]]["test"][1].prompt)
     n_all = ea.length + eb.length + len(qi)
-    allowed = torch.tril(torch.ones(n_all, n_all, dtype=torch.bool))
+    allowed = torch.tril(torch.ones(n_all, n_all, dtype=torch.bool, device=lm.device))
     allowed[ea.length: ea.length + eb.length, : ea.length] = False
-    mask = torch.zeros(1, 1, n_all, n_all).masked_fill(~allowed, torch.finfo(torch.float32).min)
-    ref = lm(input_ids=torch.tensor([ea.ids + eb.ids + qi]), attention_mask=mask,
-             position_ids=torch.arange(n_all)[None]).logits[0, -len(qi):]
-    two = K.forward_with_entries(lm, [ea, eb], torch.tensor([qi])).logits[0]
+    mask = torch.zeros(1, 1, n_all, n_all, device=lm.device).masked_fill(
+        ~allowed, torch.finfo(torch.float32).min)
+    ref = lm(input_ids=_ids(lm, ea.ids + eb.ids + qi), attention_mask=mask,
+             position_ids=torch.arange(n_all, device=lm.device)[None]).logits[0, -len(qi):]
+    two = K.forward_with_entries(lm, [ea, eb], _ids(lm, qi)).logits[0]
     return float((ref - two).abs().max())
 
 
@@ -178,7 +185,7 @@ def generate_matches(lm, tok, data: dict, names: list[str], with_steps: bool,
     for n in names:
         e = K.make_entry(lm, tok, data[n]["pool"][2], n, with_steps)
         for q in data[n]["test"][:per_task]:
-            ids = torch.tensor([e.ids + _query_ids(tok, q.prompt)])
+            ids = _ids(lm, e.ids + _query_ids(tok, q.prompt))
             kw = dict(max_new_tokens=max_new_tokens, do_sample=False,
                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
             g_full = lm.generate(ids, **kw)
@@ -229,14 +236,16 @@ def cached_states(kind: str, spec: dict, build) -> list[dict]:
 
 def sequential_lora(pool, base: str, stream: list[str], train_pairs: dict, steps: int,
                     batch: int, lr: float, seed: int, replay_per_task: int = 0,
-                    first: str | None = None, rank: int = 8, lora_scale: float = 2.0):
-    """``(peft_model, tok, states, info)``: one LoRA after each stage of ``stream`` (cached).
+                    first: str | None = None, rank: int = 8, lora_scale: float = 2.0,
+                    device="cpu"):
+    """``(peft_model, tok, states, info)``: one LoRA after each stage of ``stream`` (cached),
+    on ``device``.
 
     ``first``: the pool adapter that is stage 1 (what training a LoRA on the first task gives,
     already cached); None trains a fresh LoRA (``rank``, ``lora_scale``) ``steps`` on it, as
     every later stage is trained. With ``replay_per_task`` that many examples of each finished
     task join a replay buffer that fills half of every later batch."""
-    model, tok = zoo.load(base, pool.scale)
+    model, tok = zoo.load(base, pool.scale, device=str(device))
     if first is not None:
         model = PeftModel.from_pretrained(model, pool.path(first), is_trainable=True)
     else:
@@ -272,17 +281,17 @@ def sequential_lora(pool, base: str, stream: list[str], train_pairs: dict, steps
 
 
 def moe_experts(pool, base: str, stream: list[str], train_pairs: dict, experts_from_pool,
-                steps: int, batch: int, lr: float, seed: int):
+                steps: int, batch: int, lr: float, seed: int, device="cpu"):
     """``(peft_model, states, passes)``: one expert LoRA per task. ``experts_from_pool`` names
     the pool adapter of each task (cached, no training); None trains a fresh one per task."""
     if experts_from_pool is not None:
-        model, _ = zoo.load(base, pool.scale)
+        model, _ = zoo.load(base, pool.scale, device=str(device))
         model = PeftModel.from_pretrained(model, pool.path(experts_from_pool[0]))
         return model.eval(), [KB.pool_state(pool, f) for f in experts_from_pool], 0
     states, passes, model = [], 0, None
     for t, name in enumerate(stream):
         model, _, st, info = sequential_lora(pool, base, [name], train_pairs, steps, batch, lr,
-                                             seed + t)
+                                             seed + t, device=device)
         states.append(st[0])
         passes += info["passes"]
     return model, states, passes
@@ -319,9 +328,10 @@ def lora_matrix(pm, states: list[dict], stream_names: list[str], tests: dict, to
 
 
 def lora_baselines(pool, model: str, scale: str, items, data: dict, prepared: list, qk: dict,
-                   tok, budget: int, sizes: dict, seed: int, with_steps: bool) -> dict:
-    """Sequential LoRA, replay and MoE of LoRAs on one scenario: ``{method: {acc, trace,
-    passes}}``. The pool's adapters seed stage 1 and the experts when every task is its own pool
+                   tok, budget: int, sizes: dict, seed: int, with_steps: bool,
+                   device="cpu") -> dict:
+    """Sequential LoRA, replay and MoE of LoRAs on one scenario, on ``device``: ``{method: {acc,
+    trace, passes}}``. The pool's adapters seed stage 1 and the experts when every task is its own pool
     family, and a pool adapter's training counts as the compute of the stage it stands for. The
     MoE keeps the experts that fit beside their centroids (the oldest goes first) and routes each
     query to the nearest centroid of the frozen retrieval keys."""
@@ -335,14 +345,14 @@ def lora_baselines(pool, model: str, scale: str, items, data: dict, prepared: li
     for kind, replay in (("sequential LoRA", 0), ("replay", sizes["replay_per_task"])):
         pm, _, states, info = sequential_lora(pool, model, names_s, pairs, sizes["lora_steps"],
                                               sizes["lora_batch"], sizes["lora_lr"], seed, replay,
-                                              first=fams[0] if seeded else None)
+                                              first=fams[0] if seeded else None, device=device)
         out[kind] = lora_matrix(pm, states, names_s, tests, tok, budget,
                                 lambda t: info["adapter_bytes"] + info["buffer_bytes"][t], kind,
                                 with_steps)
         out[kind]["passes"] = info["passes"] + (pool_passes if seeded else 0)
     moe, experts, moe_passes = moe_experts(pool, model, names_s, pairs, fams if seeded else None,
                                            sizes["lora_steps"], sizes["lora_batch"],
-                                           sizes["lora_lr"], seed)
+                                           sizes["lora_lr"], seed, device)
     per_expert = KB.lora_bytes(moe)
     d = prepared[0].pool_keys.shape[1]
     cap = max(1, budget // (per_expert + 4 * d))
@@ -370,7 +380,7 @@ def l2p_baseline(lm, tok, names_s: list[str], data: dict, qk: dict, budget: int,
     torch.manual_seed(seed)
     emb_scale = float(lm.get_input_embeddings().weight.std())
     pp = KB.PromptPool(sizes["l2p_prompts"], sizes["l2p_length"], lm.config.hidden_size,
-                       sizes["l2p_top"], emb_scale, seed)
+                       sizes["l2p_top"], emb_scale, seed).to(lm.device)
     spec = {"base": lm.zoo_card["key"], "stream": names_s, "batch": sizes["lora_batch"],
             "sizes": {k: sizes[k] for k in sizes if k.startswith("l2p")},
             "seed": seed, "data": {n: len(data[n]["pairs"]) for n in names_s}}
@@ -460,12 +470,13 @@ def calibration_summary(out: dict) -> dict[str, float]:
 
 # -- diagnostics (C5) and the footprint (C2) -----------------------------------------------------
 def compute_matched_lora(pool, model: str, names: list[str], data: dict, passes: int, tok,
-                         budget: int, sizes: dict, seed: int, with_steps: bool):
+                         budget: int, sizes: dict, seed: int, with_steps: bool, device="cpu"):
     """A fresh sequential LoRA given InduceKV's ``passes`` (a step of a batch costs three
     example-forwards): ``(steps per task, its accuracy matrix and trace, its passes)``."""
     steps = max(1, round(passes / len(names) / (3 * sizes["lora_batch"])))
     pm, _, st, info = sequential_lora(pool, model, names, {n: data[n]["pairs"] for n in names},
-                                      steps, sizes["lora_batch"], sizes["lora_lr"], seed)
+                                      steps, sizes["lora_batch"], sizes["lora_lr"], seed,
+                                      device=device)
     cm = lora_matrix(pm, st, names, {n: data[n]["test"] for n in names}, tok, budget,
                      lambda t: info["adapter_bytes"], "compute-matched LoRA", with_steps)
     return steps, cm, info["passes"]
@@ -594,7 +605,7 @@ def _retention(ps: PairScores, col: dict, cands: list, mem) -> np.ndarray:
     lp_now = ps.anchor_lp[rows, now]
     p = torch.softmax(torch.cat([K.similarity(akeys, torch.stack([c.key for c in cands]),
                                               mem.calib), sim.clamp(min=-1)], 1) / 0.1,
-                      dim=1)[:, :len(cands)].numpy()
+                      dim=1)[:, :len(cands)].cpu().numpy()
     lp_c = ps.anchor_lp[np.ix_(rows, [col[id(c)] for c in cands])]
     return -(p * np.maximum(0.0, lp_now[:, None] - lp_c)).mean(0)
 
@@ -612,7 +623,7 @@ def _stage(ps: PairScores, col: dict, P, cands: list, mem, budget: int, t: int, 
         scores["retention"] = _retention(ps, col, cands, K.Memory(K.Budget(budget),
                                                                   list(mem.entries), inner))
         sim = K.similarity(P.pool_keys, torch.stack([c.key for c in cands]), inner)
-        scores["coverage_sim"] = ((sim + 1) / 2).numpy()
+        scores["coverage_sim"] = ((sim + 1) / 2).cpu().numpy()
     reserve = 2 * cands[0].key.numel() * 4 if mem.calib is None else 0
     chosen = K.select(cands, budget - mem.nbytes - reserve, scores, weights, mode, rng)
     util = _unit(scores["likelihood"]) + _unit(scores["retention"])
