@@ -108,7 +108,7 @@ def null_update(x, d_out: int, generator: torch.Generator | None = None,
                 rtol: float = RTOL) -> torch.Tensor:
     """A random D (d_out x d_in) with D X^T = 0: by (1) the loss cannot see it."""
     x = torch.as_tensor(x).detach().double()
-    g = torch.randn(d_out, x.shape[1], generator=generator, dtype=torch.float64)
+    g = torch.randn(d_out, x.shape[1], generator=generator, dtype=torch.float64).to(x.device)
     return g - project_rows(g, row_basis(x, rtol))
 
 
@@ -237,9 +237,10 @@ def kkt_residual(problem: LeastSquares, d: torch.Tensor, rtol: float = 1e-8) -> 
     g = -problem.grad(d) / problem.lam
     u, s, vh = torch.linalg.svd(d, full_matrices=False)
     k = int((s > rtol * max(float(s[0]), 1e-300)).sum()) if s.numel() else 0
-    on = float((u[:, :k].T @ g @ vh[:k].T - torch.eye(k, dtype=g.dtype)).abs().max()) if k else 0.0
-    pu = torch.eye(g.shape[0], dtype=g.dtype) - u[:, :k] @ u[:, :k].T
-    pv = torch.eye(g.shape[1], dtype=g.dtype) - vh[:k].T @ vh[:k]
+    eye = lambda n: torch.eye(n, dtype=g.dtype, device=g.device)    # noqa: E731
+    on = float((u[:, :k].T @ g @ vh[:k].T - eye(k)).abs().max()) if k else 0.0
+    pu = eye(g.shape[0]) - u[:, :k] @ u[:, :k].T
+    pv = eye(g.shape[1]) - vh[:k].T @ vh[:k]
     off = max(float(torch.linalg.matrix_norm(pu @ g @ pv, 2)) - 1.0, 0.0)
     return max(on, off)
 
@@ -382,7 +383,7 @@ def feeding_positions(labels: torch.Tensor) -> torch.Tensor:
     """(B, T) mask of positions at or before a row's last loss position (causal attention: the
     rest cannot reach the loss)."""
     s = loss_positions(labels)
-    idx = torch.arange(labels.shape[1])
+    idx = torch.arange(labels.shape[1], device=labels.device)
     last = torch.where(s.any(1), (s * idx).max(1).values, torch.full_like(s[:, 0], -1,
                                                                           dtype=torch.long))
     return idx[None, :] <= last[:, None]
@@ -422,7 +423,7 @@ def attention_bases(feats: dict, labels: torch.Tensor, rtol: float = RTOL) -> di
     """
     x, a = feats["x"], feats["attn"]
     s, f = loss_positions(labels), feeding_positions(labels)
-    seq = torch.arange(x.shape[0])[:, None].expand_as(f)
+    seq = torch.arange(x.shape[0], device=f.device)[:, None].expand_as(f)
     xf = x[f]
     out = {"generic": row_basis(xf, rtol), "query": row_basis(x[s], rtol),
            "key": row_basis(centered(xf, seq[f]), rtol)}
@@ -531,5 +532,6 @@ def constant_key_update(feats: dict, labels: torch.Tensor, row: int = 0,
     b = row_basis(xc)
     mean = x.mean(0)
     v = mean - b @ (b.T @ mean)                          # the part of the mean outside span(X_c)
-    c = torch.randn(feats["wo"].shape[1], generator=generator, dtype=torch.float64)
+    c = torch.randn(feats["wo"].shape[1], generator=generator, dtype=torch.float64).to(
+        feats["wo"].device)
     return torch.outer(c, v) / float(v @ mean)
