@@ -111,3 +111,10 @@ def test_to_another_tensor_follows_that_tensor(audit):
     w = torch.nn.Linear(4, 4).to(DEV).weight
     host = torch.randn(4, 4)
     assert P.on_device(host.to(w)) and not P.on_device(w.to(host))
+
+
+def test_as_tensor_with_a_device_moves_a_host_tensor(audit):
+    m = torch.nn.Linear(4, 3).to(DEV)
+    x = torch.randn(2, 4)                                            # already a tensor, on the host
+    m(torch.as_tensor(x, device=next(m.parameters()).device))     # clip.image_features' move
+    assert P.report() == []

@@ -150,10 +150,10 @@ class Audit(TorchFunctionMode):
             elif marked and host:
                 self.flag("mixed", f"{name} mixes device tensors with a host tensor of shape "
                                    f"{tuple(host[0].shape)}")
-        if ins:
+        if kwargs.get("device") is not None:       # a factory, or as_tensor(x, device=...)
+            on = bool(_target(kwargs["device"]))
+        else:
             on = bool(marked)
-        else:                                       # a factory: where did it put the result?
-            on = bool(_target(kwargs.get("device")))
         for t in outs:
             if on or not any(t is i for i in ins):
                 _mark(t, on)
