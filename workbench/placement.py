@@ -10,10 +10,10 @@ CPU, but a device that code can only reach by being handed ``run.device`` (``"cp
 nowhere in the workbench). A :class:`torch.overrides.TorchFunctionMode` then marks every tensor
 that reached the run's device and follows the marks through every torch call:
 
-* ``.to(run.device)`` / ``Module.to(run.device)`` marks; ``.to(x.device)`` or a factory called
-  with ``device=x.device`` (a ``torch.device`` taken from a tensor) marks too, as that follows
-  whatever device ``x`` is on; ``.cpu()``, ``.to("cpu")`` and factories without a device (or with
-  the string ``"cpu"``) leave the result on the host, unmarked.
+* ``.to(run.device)`` / ``Module.to(run.device)`` marks; ``x.device`` answers ``cpu:0`` for a
+  marked tensor and ``cpu`` for another, so ``.to(x.device)`` and factories given
+  ``device=x.device`` follow ``x`` exactly; ``.cpu()``, ``.to("cpu")`` and factories without a
+  device leave the result on the host, unmarked.
 * any other call's results are marked when one of its tensor inputs is.
 
 Three things are violations, each recorded with the line of workbench or notebook code that did
@@ -48,6 +48,8 @@ _COMPUTE = {"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "conv1d", "conv
             "scaled_dot_product_attention", "einsum", "__matmul__", "layer_norm", "rms_norm",
             "group_norm", "lstm", "gru", "rnn_tanh", "rnn_relu"}
 
+_DEVICE_ATTR = torch.Tensor.device          # Tensor.device's descriptor (its __get__ is audited)
+_HOST = torch.device("cpu")
 _active: "Audit | None" = None
 
 
@@ -82,12 +84,13 @@ def _where() -> str:
 
 
 def _target(device) -> bool | None:
-    """True: the run's device (the sentinel, or a device object as taken from a tensor);
-    False: the host named by a string or ``.cpu()``; None: no device given."""
+    """True: the run's device (the sentinel ``cpu:0``, which is also what ``x.device`` says of a
+    marked tensor, or a GPU); False: the host (``"cpu"``, ``torch.device("cpu")``, what
+    ``x.device`` says of an unmarked tensor); None: no device given."""
     if device is None:
         return None
     if isinstance(device, torch.device):
-        return True
+        return device.type != "cpu" or device.index is not None
     if isinstance(device, str):
         return device != "cpu"
     if isinstance(device, int):          # a CUDA ordinal
@@ -126,6 +129,8 @@ class Audit(TorchFunctionMode):
         if self.paused or self.host_depth:
             return out
         name = getattr(func, "__name__", str(func))
+        if name == "__get__" and getattr(func, "__self__", None) is _DEVICE_ATTR:
+            return SENTINEL if on_device(args[0]) else _HOST     # x.device tells where x is
         ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if name in ("cpu", "to"):
@@ -234,6 +239,17 @@ def report() -> list[dict]:
     if _active is None:
         return []
     return sorted(_active.violations.values(), key=lambda v: -v["count"])
+
+
+def on_host(fn):
+    """Decorator: ``fn`` is host work by design (see :func:`host`)."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with host():
+            return fn(*args, **kwargs)
+    return wrapper
 
 
 @contextlib.contextmanager

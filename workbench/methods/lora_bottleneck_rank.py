@@ -54,6 +54,8 @@ from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
+from .. import placement
+
 __all__ = ["RTOL", "numeric_rank", "row_basis", "bottleneck_rank", "project_rows",
            "outside_energy", "null_update", "centered", "softmax_shift_gap", "trace_norm", "svt",
            "psd_perturbation", "LeastSquares", "prox_grad", "kkt_residual", "cvxpy_solve",
@@ -308,11 +310,13 @@ def lora_delta(model: nn.Module) -> torch.Tensor:
     return out
 
 
+@placement.on_host
 def train_lora(problem: LeastSquares, rank: int, seed: int = 0, max_iter: int = 200,
                tol: float = 1e-8) -> tuple[torch.Tensor, dict]:
     """Minimize f(B A) + lam/2 (||A||^2 + ||B||^2) over peft's LoRA factors with L-BFGS (strong
     Wolfe line search) from peft's init (A Kaiming-uniform, B = 0). Returns (D, info), info with
-    the final gradient norm (a stationary point has 0)."""
+    the final gradient norm (a stationary point has 0). On the host in float64, by design (a
+    synthetic problem of a few dozen dimensions)."""
     d_out, d_in = problem.shape
     model = peft_linear(d_in, d_out, rank, seed)
     params = [p for p in model.parameters() if p.requires_grad]
