@@ -118,3 +118,8 @@ def test_as_tensor_with_a_device_moves_a_host_tensor(audit):
     x = torch.randn(2, 4)                                            # already a tensor, on the host
     m(torch.as_tensor(x, device=next(m.parameters()).device))     # clip.image_features' move
     assert P.report() == []
+
+
+def test_x_device_tells_where_x_is_and_leaves_meta_alone(audit):
+    assert torch.randn(2).to(DEV).device == DEV and torch.randn(2).device == torch.device("cpu")
+    assert torch.empty(2, device="meta").device.type == "meta"     # from_pretrained's check

@@ -130,6 +130,8 @@ class Audit(TorchFunctionMode):
             return out
         name = getattr(func, "__name__", str(func))
         if name == "__get__" and getattr(func, "__self__", None) is _DEVICE_ATTR:
+            if out.type != "cpu":              # meta (transformers' loading), a real GPU: as is
+                return out
             return SENTINEL if on_device(args[0]) else _HOST     # x.device tells where x is
         ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
