@@ -206,6 +206,19 @@ def _parameter_new(original):
     return new
 
 
+def _deepcopy(original):
+    def deepcopy(self, memo):
+        new = original(self, memo)
+        if on_device(self):                      # copy.deepcopy(model) stays where model is
+            _mark(new)
+        return new
+    deepcopy._wb_original = original
+    return deepcopy
+
+
+_DEEPCOPY = (torch.Tensor, torch.nn.Parameter)
+
+
 def _tensors(module):
     return [*module.parameters(), *module.buffers()]
 
@@ -219,6 +232,8 @@ def start() -> Audit:
         torch.nn.Module.to = _module_to(torch.nn.Module.to)
         torch.nn.Module.cpu = _module_cpu(torch.nn.Module.cpu)
         torch.nn.Parameter.__new__ = staticmethod(_parameter_new(torch.nn.Parameter.__new__))
+        for cls in _DEEPCOPY:
+            cls.__deepcopy__ = _deepcopy(cls.__dict__["__deepcopy__"])
     return _active
 
 
@@ -232,6 +247,8 @@ def stop() -> list[dict]:
     torch.nn.Module.to = torch.nn.Module.to._wb_original
     torch.nn.Module.cpu = torch.nn.Module.cpu._wb_original
     torch.nn.Parameter.__new__ = staticmethod(torch.nn.Parameter.__new__._wb_original)
+    for cls in _DEEPCOPY:
+        cls.__deepcopy__ = cls.__dict__["__deepcopy__"]._wb_original
     _active = None
     return found
 

@@ -65,7 +65,8 @@ class FewShotClassifier(nn.Module):
             pass
         elif mode == "coop":
             self.head.requires_grad_(False)
-            ids = clip.tokenize(tok, [f"a photo of a {n}" for n in self.names])
+            ids = clip.tokenize(tok, [f"a photo of a {n}" for n in self.names],
+                                _device(self.model))
             self.register_buffer("ids", ids["input_ids"])
             self.register_buffer("mask", ids["attention_mask"])
             emb = self.model.text_model.embeddings.token_embedding
@@ -255,7 +256,7 @@ def second_moment_ratio(v_few: torch.Tensor, v_full: torch.Tensor, eps: float = 
     """Per-coordinate ratio v_few / v_full over coordinates with v_full > eps, and summary:
     median and the fraction of coordinates below 1 (C2: few-shot underestimates)."""
     keep = v_full > eps
-    r = v_few[keep] / v_full[keep]
+    r = (v_few[keep] / v_full[keep]).cpu()          # for histograms and numpy
     return r, {"median": float(r.median()), "frac_below_1": float((r < 1).float().mean()),
                "geo_mean": float(r.clamp_min(1e-30).log().mean().exp())}
 
