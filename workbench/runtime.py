@@ -97,8 +97,8 @@ def fast_math(device, enabled: bool = True):
 
     Used by the LM training loops (zoo builds, LoRA fine-tunes, FURA, NBDiff). Not where a
     claim is about precision itself: Hestia's (10) and NFI's (12) numerics are measured in the
-    dtypes they name, and quantizers compare reconstruction errors in float32 (14, 16's QLoRA
-    base); those run without it (``enabled=False`` says so at a call site)."""
+    dtypes they name, and 14's quantizers compare reconstruction errors in float32; those run
+    without it (their SIZES cells say so)."""
     import contextlib
     import torch
     dev = torch.device(device) if not isinstance(device, torch.device) else device
