@@ -1,4 +1,4 @@
-"""``workbench list | new | run | report | zoo``: the command line. Starts fast (no torch on import)."""
+"""``workbench list | new | run | plan | report | zoo``: the command line. Starts fast (no torch on import)."""
 from __future__ import annotations
 
 import argparse
@@ -204,6 +204,34 @@ def cmd_run(args) -> int:
     return 0 if all(r.passed for r in results) else 1
 
 
+def cmd_plan(args) -> int:
+    """Each job's estimated FLOPs, peak memory and H100 time (workbench/plan.py), nothing run."""
+    from . import plan
+    if not args.all and not args.notebooks:
+        print("error: name one or more notebooks (see `workbench list`) or pass --all",
+              file=sys.stderr)
+        return 2
+    try:
+        infos = nbs.discover() if args.all else [nbs.resolve(n) for n in args.notebooks]
+        params = dict(args.param or [])
+        rows = [plan.estimate(i.slug, i.path, args.scale, params).row() for i in infos]
+    except (LookupError, ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    for r in rows:
+        over = "  (over the 10-minute budget)" if r["h100_s"] > plan.BUDGET_S else ""
+        print(f"{r['notebook']} at {r['scale']}: {r['flops']:.2e} FLOPs, peak "
+              f"{r['peak_gib']:.2f} GiB, about {plan.duration(r['h100_s'])} on one H100{over}"
+              + (f"; zoo builds first: {plan.duration(r['build_s'])}" if r["build_s"] else ""))
+        for ph in r["phases"]:
+            print(f"  {ph['what']:<40} {ph['flops']:9.2e} FLOPs  {plan.duration(ph['s']):>9}")
+    print(f"assumed: {plan.assumptions()}")
+    return 0
+
+
 def cmd_report(args) -> int:
     from . import report
     try:
@@ -400,6 +428,18 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--html", action="store_true",
                    help="also render each executed notebook as HTML (about 1 s each)")
 
+    pl = sub.add_parser("plan", help="each job's estimated FLOPs, memory and H100 time; runs "
+                        "nothing", description="Estimate each notebook's cost at a scale from "
+                        "its SIZES row and its zoo models' configs (workbench/plan.py): FLOPs, "
+                        "peak memory and time on one H100, with the zoo builds it would start. "
+                        "Estimates at a stated utilisation, not measurements.")
+    pl.add_argument("notebooks", nargs="*", metavar="SLUG", help="e.g. 14-gsq (or its number)")
+    pl.add_argument("--all", action="store_true", help="every notebook")
+    pl.add_argument("--scale", choices=SCALES, default="full", help="default full")
+    pl.add_argument("-p", "--param", nargs=2, action="append", metavar=("NAME", "VALUE"),
+                    help="a notebook parameter or size, as workbench run takes it")
+    pl.add_argument("--json", action="store_true", help="one JSON list of the estimates")
+
     rep = sub.add_parser("report", help="results.csv, aggregate.csv and index.html of a run dir")
     rep.add_argument("dir")
     rep.add_argument("--no-html", action="store_true",
@@ -428,7 +468,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
-    handler = {"list": cmd_list, "new": cmd_new, "run": cmd_run, "report": cmd_report, "zoo": cmd_zoo}
+    handler = {"list": cmd_list, "new": cmd_new, "run": cmd_run, "plan": cmd_plan,
+               "report": cmd_report, "zoo": cmd_zoo}
     try:
         return handler[args.command](args)
     except BrokenPipeError:         # `workbench list | head`: the reader left, which is fine

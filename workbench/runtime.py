@@ -71,6 +71,11 @@ def seed_everything(seed: int) -> dict:
     return info
 
 
+def placement_requested() -> bool:
+    """Whether the device audit is on (``WORKBENCH_DEVICE_AUDIT=1``, see placement.py)."""
+    return os.environ.get("WORKBENCH_DEVICE_AUDIT", "") not in ("", "0")
+
+
 def pick_device(device: str = "auto"):
     """``auto`` -> CUDA when present, else CPU. An explicit device must exist."""
     import torch
@@ -84,6 +89,24 @@ def pick_device(device: str = "auto"):
     if device == "mps" and not torch.backends.mps.is_available():
         raise RuntimeError("device='mps' was asked for but MPS is not available; use 'auto' or 'cpu'")
     return torch.device(device)
+
+
+def fast_math(device, enabled: bool = True):
+    """bf16 autocast and TF32 matmuls on CUDA for a training or evaluation block; nothing
+    elsewhere (a CPU run is bit for bit what it was): ``with fast_math(run.device): ...``.
+
+    Used by the LM training loops (zoo builds, LoRA fine-tunes, FURA, NBDiff). Not where a
+    claim is about precision itself: Hestia's (10) and NFI's (12) numerics are measured in the
+    dtypes they name, and 14's quantizers compare reconstruction errors in float32; those run
+    without it (their SIZES cells say so)."""
+    import contextlib
+    import torch
+    dev = torch.device(device) if not isinstance(device, torch.device) else device
+    if not enabled or dev.type != "cuda":
+        return contextlib.nullcontext()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    return torch.autocast("cuda", dtype=torch.bfloat16)
 
 
 def _jsonable(value: Any) -> Any:
@@ -161,6 +184,10 @@ class Run:
         self.t0 = time.time()
         self.determinism = seed_everything(self.seed)
         self.device = pick_device(device)
+        if self.device.type == "cpu" and placement_requested():
+            from . import placement            # the device audit (placement.py): cpu:0 stands
+            placement.start()                  # for a device reached only through run.device
+            self.device = placement.SENTINEL
         self.out_dir = Path(out_dir) if out_dir else interactive_dir(slug)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "figures").mkdir(exist_ok=True)
@@ -297,6 +324,9 @@ class Run:
         (self.out_dir / "params.json").write_text(json.dumps(summary["params"], indent=2))
         env = environment_info(self.device)
         env["determinism"] = self.determinism
+        if placement_requested():
+            from . import placement
+            (self.out_dir / "device_audit.json").write_text(json.dumps(placement.report(), indent=2))
         (self.out_dir / "env.json").write_text(json.dumps(env, indent=2))
         self.finished = True
         verdicts = Verdicts(summary, self.out_dir)
@@ -445,7 +475,25 @@ def start(slug: str, namespace: dict | None = None, /, **params) -> Run:
     from . import plots
     plots.style()
     print(f"{slug}: scale={run.scale} seed={run.seed} device={run.device} out={run.out_dir}")
+    if run.scale == "full":
+        print(full_estimate(slug, run.params))
     return run
+
+
+def full_estimate(slug: str, params: dict) -> str:
+    """One line of ``workbench plan``'s estimate for a full run (DESIGN: printed before it runs);
+    a notebook outside ``notebooks/`` or without a cost model gets none."""
+    from . import plan
+    try:
+        knobs = {k: v for k, v in params.items()
+                 if v is not None and k not in RESERVED and not isinstance(v, (list, dict))}
+        est = plan.estimate(slug, notebooks_dir() / f"{slug}.ipynb", "full", knobs)
+    except (LookupError, OSError, ValueError, TypeError, NotebookError):
+        return f"{slug}: no estimate of this full run (workbench plan knows the shipped notebooks)"
+    builds = f", after {plan.duration(est.build_seconds)} of zoo builds" if est.build_seconds \
+        else ""
+    return (f"{slug}: estimated {est.flops:.1e} FLOPs, peak {est.peak_bytes / 2**30:.1f} GiB, "
+            f"about {plan.duration(est.seconds)} on one H100{builds} (workbench plan {slug[:2]})")
 
 
 def show(obj) -> None:

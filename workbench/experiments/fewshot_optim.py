@@ -210,7 +210,8 @@ def curvature(keep: dict, sw: Sweep, refit, xs, ys, iters: int, seed: int) -> pd
         clf = keep.get((name, best["lr"]))
         clf = refit(name, best["lr"]) if clf is None else clf
         clf.eval()
-        lam = top_hessian_eigenvalue(lambda: F.cross_entropy(clf(xs), ys),
+        ys_ = torch.as_tensor(ys, device=next(clf.parameters()).device)
+        lam = top_hessian_eigenvalue(lambda: F.cross_entropy(clf(xs), ys_),
                                      clf.trainable(), iters=iters,
                                      generator=torch.Generator().manual_seed(seed))
         rows[name] = {"dist_from_init": best["dist_from_init"], "top_eig": lam,

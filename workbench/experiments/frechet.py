@@ -84,7 +84,8 @@ class Bench:
     def _batch(self, examples) -> dict:
         rows = packing.encode(self.tok, [e.prompt for e in examples],
                               [e.completion(self.with_steps) for e in examples])
-        return packing.pad(rows, self.tok.pad_token_id)
+        dev = next(self.model.parameters()).device
+        return {k: v.to(dev) for k, v in packing.pad(rows, self.tok.pad_token_id).items()}
 
     def loss(self, adapter: str, batch: dict | None = None) -> float:
         """The answer loss of ``adapter`` on ``batch`` (the mixed batch by default)."""

@@ -83,7 +83,7 @@ def encoder_inputs(model, x, n_blocks: int) -> torch.Tensor:
         for layer in layers[: len(layers) - n_blocks]:
             h = layer(h, None)
             h = h[0] if isinstance(h, tuple) else h        # transformers 4.x returned a tuple
-        hm = block_inputs(layers[len(layers) - n_blocks], h).cpu()
+        hm = block_inputs(layers[len(layers) - n_blocks], h)
     return hm[:, :1].contiguous() if n_blocks == 1 else hm  # one block: its class-token row only
 
 
@@ -112,13 +112,14 @@ def family_bed(model, tok, family: str, seed: int, noise: float, digits_sessions
     xte = images.add_noise(xte, noise, base + 4)
     vm = model.vision_model
     with torch.no_grad():
-        return {"f_tr": clip.image_features(model, xtr).cpu(), "y_tr": torch.as_tensor(ytr),
-                "f_te": clip.image_features(model, xte).cpu(), "y_te": torch.as_tensor(yte),
+        # features on the model's device; labels on the host (they index and feed numpy)
+        return {"f_tr": clip.image_features(model, xtr), "y_tr": torch.as_tensor(ytr),
+                "f_te": clip.image_features(model, xte), "y_te": torch.as_tensor(yte),
                 "h_tr": encoder_inputs(model, xtr, enc_blocks),
                 "h_te": encoder_inputs(model, xte, enc_blocks),
                 "encoder": (vm.encoder.layers[-enc_blocks:], vm.post_layernorm,
                             model.visual_projection),
-                "w": clip.class_features(model, tok, names).cpu(), "names": names,
+                "w": clip.class_features(model, tok, names), "names": names,
                 "splits": session_splits(len(names), n_sessions, seed)}
 
 
@@ -174,7 +175,7 @@ def _predict(adapter, f, w, head="cosine", scale=36.0, alpha=1.0, c_head=1.0):
     """The head's class index for every input (adapted, unless ``adapter`` is None)."""
     with torch.no_grad():
         z = adapter(f) if adapter is not None else f
-        return _logits(z, w, head, scale, alpha, c_head).argmax(-1)
+        return _logits(z, w, head, scale, alpha, c_head).argmax(-1).cpu()
 
 
 def accuracy(adapter, f, y, w, head="cosine", scale=36.0, alpha=1.0, c_head=1.0) -> float:
@@ -242,7 +243,7 @@ def run_sessions(f_tr, y_tr, f_te, y_te, w, splits, adapter, head: str, scale: f
             if buffer:
                 idx = torch.cat(buffer)
                 f_t, y_t = torch.cat([f_t, f_tr[idx]]), torch.cat([y_t, y_tr[idx]])
-            y_loc = torch.as_tensor([remap[int(k)] for k in y_t])
+            y_loc = torch.as_tensor([remap[int(k)] for k in y_t], device=f_t.device)
             logs.append(train_session(adapter, f_t, y_loc, w[seen], head, scale, steps, lr,
                                       alpha=alpha, c_head=c_head, generator=g,
                                       log_every=log_every, teacher=teacher, n_old=n_old,
@@ -281,9 +282,9 @@ def new_adapter(bed: dict, variant: str, rank: int, seed: int, per_session: bool
     """An adapter at the ``variant``'s site whose factors start from the same seeded
     initialisation as every other one (torch's global generator is seeded with ``seed``)."""
     torch.manual_seed(seed)
-    if variant == "encoder":
-        return EncoderHDCA(*bed["encoder"], rank, per_session, c_task, c_cum)
-    return HDCAAdapter(bed["w"].shape[1], rank, per_session, c_task, c_cum)
+    if variant == "encoder":     # the frozen blocks are the CLIP's, on its device already
+        return EncoderHDCA(*bed["encoder"], rank, per_session, c_task, c_cum).to(bed["w"].device)
+    return HDCAAdapter(bed["w"].shape[1], rank, per_session, c_task, c_cum).to(bed["w"].device)
 
 
 def _session_run(bed: dict, variant: str, adapter, head: str, S: dict, scale: float, seed: int,
@@ -428,7 +429,7 @@ def residual_plane(adapter, f, n_max: int = 200) -> dict:
     projection is never longer than its residual."""
     with torch.no_grad():
         us = [u[:n_max].reshape(-1, u.shape[-1]).double() for u in adapter.residuals(f[:n_max])]
-    raw = torch.cat(us)
+    raw = torch.cat(us).cpu()
     return {"raw": raw.numpy(), "basis": torch.linalg.svd(raw, full_matrices=False)[2][:2].numpy(),
             "session": np.concatenate([np.full(len(u), s) for s, u in enumerate(us)])}
 

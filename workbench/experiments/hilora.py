@@ -77,13 +77,15 @@ class Bed:
         return len(self.families)
 
 
-def load_bed(base: str, scale: str, pool_families: list, heldout: list) -> Bed:
+def load_bed(base: str, scale: str, pool_families: list, heldout: list,
+             device="cpu") -> Bed:
     """The zoo's pool on ``base`` at ``scale``: every adapter of ``pool_families + heldout`` in
-    one ``PeftModel``, and the plain base model with the ROC hooks of the same adapters."""
+    one ``PeftModel``, and the plain base model with the ROC hooks of the same adapters, both
+    on ``device``."""
     families = list(pool_families) + list(heldout)
     pool = adapters.adapters(base, model_scale=scale)
-    peft_model, tok = pool.load(families)
-    lm, _ = zoo.load(base, scale)
+    peft_model, tok = pool.load(families, device=device)
+    lm, _ = zoo.load(base, scale, device=device)
     hooks = hl.RocHooks(lm, [hl.lora_factors(peft_model, f) for f in families])
     return Bed(pool, peft_model, tok, lm, hooks, list(pool_families), families,
                zoo.recipe(base).with_steps)
@@ -96,7 +98,7 @@ def lora_equivalence(bed: Bed, seed: int) -> tuple[dict, float]:
     probe = tasks.generate("count", 4, seed, 6) + tasks.generate("sort", 4, seed, 5)
     tok, lm = bed.tok, bed.lm
     enc = tok([tok.bos_token + e.prompt for e in probe], return_tensors="pt", padding=True,
-              add_special_tokens=False)
+              add_special_tokens=False).to(lm.device)
     diffs = {}
     with torch.no_grad():
         for j, f in enumerate(bed.pool_families):
@@ -394,13 +396,14 @@ def active_rocs(bed: Bed, gates: tuple, mask: np.ndarray, prompts: list[str],
     two = np.flatnonzero(mask.sum(1) > 1)
     i0 = int(two[0]) if len(two) else 0
     bed.hooks.set_gates(gates[0][i0: i0 + 1], gates[1][i0: i0 + 1])
-    ids = bed.tok(bed.tok.bos_token + prompts[i0], return_tensors="pt", add_special_tokens=False)
+    ids = bed.tok(bed.tok.bos_token + prompts[i0], return_tensors="pt",
+                  add_special_tokens=False).to(bed.lm.device)
     with torch.no_grad():
         bed.lm(**ids)
     name = [n for n in bed.hooks.active if module in n][0]
     on = bed.hooks.active[name][0]                                  # (tokens, LoRAs in use, r)
     return {"prompt": i0, "module": name,
-            "on": on.reshape(on.shape[0], -1).T.float().numpy(),   # (LoRA x ROC, tokens)
+            "on": on.reshape(on.shape[0], -1).T.float().cpu().numpy(),   # (LoRA x ROC, tokens)
             "rows": [f"{bed.families[j]} #{i}" for j in bed.hooks.sel.tolist()
                      for i in range(bed.rank)],
             "tokens": bed.tok.convert_ids_to_tokens(ids["input_ids"][0].tolist())}

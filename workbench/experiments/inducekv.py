@@ -75,9 +75,10 @@ def scenarios(stream: str, domain_stream: str = "") -> dict[str, list[tuple[str,
     return out
 
 
-def frozen_backbone(model: str, scale: str):
-    """The zoo backbone ``model`` at ``scale`` with every parameter frozen: ``(lm, tok)``."""
-    lm, tok = zoo.load(model, scale)
+def frozen_backbone(model: str, scale: str, device="cpu"):
+    """The zoo backbone ``model`` at ``scale`` on ``device``, every parameter frozen:
+    ``(lm, tok)``."""
+    lm, tok = zoo.load(model, scale, device=str(device))
     for p in lm.parameters():
         p.requires_grad_(False)
     return lm, tok
@@ -226,11 +227,12 @@ def projector_state(model: str, scale: str, sizes: dict, seed: int = 0) -> dict:
     return cached_states("projector", spec, build)
 
 
-def multimodal_backbone(model: str, scale: str, items, sizes: dict, seed: int):
+def multimodal_backbone(model: str, scale: str, items, sizes: dict, seed: int, device="cpu"):
     """The continual-VQA stream's frozen multimodal backbone and data: ``(lm, tok, mm, data,
     caption_losses)``: the zoo LM with the stream's image prefix installed, the
-    :class:`MM.ImageTokenizer`, the :class:`MultimodalBackbone`, :func:`vqa_data`'s tasks."""
-    lm, tok = frozen_backbone(model, scale)
+    :class:`MM.ImageTokenizer`, the :class:`MultimodalBackbone`, :func:`vqa_data`'s tasks; the
+    LM on ``device``."""
+    lm, tok = frozen_backbone(model, scale, device)
     mtok = MM.ImageTokenizer(tok, sizes["vqa_k"])
     data, x = vqa_data(mtok, items, sizes, seed)
     cm, _ = clip.load(scale)
@@ -265,6 +267,11 @@ def prefix_check(lm, tok, data: dict, names: list[str]) -> dict:
 
 
 # -- C1: an entry is its prefix in context -------------------------------------------------------
+def _ids(lm, ids: list[int]) -> torch.Tensor:
+    """One row of token ids on ``lm``'s device."""
+    return torch.tensor([ids], device=lm.device)
+
+
 def _query_ids(tok, text: str) -> list[int]:
     return [tok.bos_token_id] + tok(text, add_special_tokens=False)["input_ids"]
 
@@ -281,11 +288,11 @@ def equivalence_table(lm, tok, data: dict, names: list[str], with_steps: bool) -
             pre, q = data[a]["pool"][0], data[b]["test"][0]
             e = K.make_entry(lm, tok, pre, a, with_steps)
             qi = _query_ids(tok, q.prompt + q.completion(with_steps))
-            full = lm(input_ids=torch.tensor([e.ids + qi]), output_hidden_states=True)
-            cached = K.forward_with_entries(lm, [e], torch.tensor([qi]), output_hidden_states=True)
+            full = lm(input_ids=_ids(lm, e.ids + qi), output_hidden_states=True)
+            cached = K.forward_with_entries(lm, [e], _ids(lm, qi), output_hidden_states=True)
             cache_, _ = K.build_cache(lm, [e])
-            wrong = lm(input_ids=torch.tensor([qi]), cache=cache_,
-                       position_ids=torch.arange(len(qi))[None]).logits[0]
+            wrong = lm(input_ids=_ids(lm, qi), cache=cache_,
+                       position_ids=torch.arange(len(qi), device=lm.device)[None]).logits[0]
             dl = float((full.logits[0, e.length:] - cached.logits[0]).abs().max())
             dh = max(float((hf[0, e.length:] - hc[0]).abs().max())
                      for hf, hc in zip(full.hidden_states, cached.hidden_states))
@@ -304,12 +311,13 @@ def two_entries_diff(lm, tok, data: dict, names: list[str], with_steps: bool) ->
     ea, eb = (K.make_entry(lm, tok, data[n]["pool"][1], n, with_steps) for n in names[:2])
     qi = _query_ids(tok, data[names[-1]]["test"][1].prompt)
     n_all = ea.length + eb.length + len(qi)
-    allowed = torch.tril(torch.ones(n_all, n_all, dtype=torch.bool))
+    allowed = torch.tril(torch.ones(n_all, n_all, dtype=torch.bool, device=lm.device))
     allowed[ea.length: ea.length + eb.length, : ea.length] = False
-    mask = torch.zeros(1, 1, n_all, n_all).masked_fill(~allowed, torch.finfo(torch.float32).min)
-    ref = lm(input_ids=torch.tensor([ea.ids + eb.ids + qi]), attention_mask=mask,
-             position_ids=torch.arange(n_all)[None]).logits[0, -len(qi):]
-    two = K.forward_with_entries(lm, [ea, eb], torch.tensor([qi])).logits[0]
+    mask = torch.zeros(1, 1, n_all, n_all, device=lm.device).masked_fill(
+        ~allowed, torch.finfo(torch.float32).min)
+    ref = lm(input_ids=_ids(lm, ea.ids + eb.ids + qi), attention_mask=mask,
+             position_ids=torch.arange(n_all, device=lm.device)[None]).logits[0, -len(qi):]
+    two = K.forward_with_entries(lm, [ea, eb], _ids(lm, qi)).logits[0]
     return float((ref - two).abs().max())
 
 
@@ -321,7 +329,7 @@ def generate_matches(lm, tok, data: dict, names: list[str], with_steps: bool,
     for n in names:
         e = K.make_entry(lm, tok, data[n]["pool"][2], n, with_steps)
         for q in data[n]["test"][:per_task]:
-            ids = torch.tensor([e.ids + _query_ids(tok, q.prompt)])
+            ids = _ids(lm, e.ids + _query_ids(tok, q.prompt))
             kw = dict(max_new_tokens=max_new_tokens, do_sample=False,
                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
             g_full = lm.generate(ids, **kw)
@@ -373,8 +381,9 @@ def cached_states(kind: str, spec: dict, build) -> list[dict]:
 def sequential_lora(pool, base: str, stream: list[str], train_pairs: dict, steps: int,
                     batch: int, lr: float, seed: int, replay_per_task: int = 0,
                     first: str | None = None, rank: int = 8, lora_scale: float = 2.0,
-                    mm=None):
-    """``(peft_model, tok, states, info)``: one LoRA after each stage of ``stream`` (cached).
+                    mm=None, device="cpu"):
+    """``(peft_model, tok, states, info)``: one LoRA after each stage of ``stream`` (cached),
+    on ``device``.
 
     ``first``: the pool adapter that is stage 1 (what training a LoRA on the first task gives,
     already cached); None trains a fresh LoRA (``rank``, ``lora_scale``) ``steps`` on it, as
@@ -382,7 +391,7 @@ def sequential_lora(pool, base: str, stream: list[str], train_pairs: dict, steps
     task join a replay buffer that fills half of every later batch. ``mm``: the continual-VQA
     stream's :class:`MultimodalBackbone` (its image prefix installed in the loaded model, its
     key in the cache's)."""
-    model, tok = zoo.load(base, pool.scale)
+    model, tok = zoo.load(base, pool.scale, device=str(device))
     if mm is not None:
         mm.setup(model)
     if first is not None:
@@ -422,17 +431,17 @@ def sequential_lora(pool, base: str, stream: list[str], train_pairs: dict, steps
 
 
 def moe_experts(pool, base: str, stream: list[str], train_pairs: dict, experts_from_pool,
-                steps: int, batch: int, lr: float, seed: int, mm=None):
+                steps: int, batch: int, lr: float, seed: int, mm=None, device="cpu"):
     """``(peft_model, states, passes)``: one expert LoRA per task. ``experts_from_pool`` names
     the pool adapter of each task (cached, no training); None trains a fresh one per task."""
     if experts_from_pool is not None:
-        model, _ = zoo.load(base, pool.scale)
+        model, _ = zoo.load(base, pool.scale, device=str(device))
         model = PeftModel.from_pretrained(model, pool.path(experts_from_pool[0]))
         return model.eval(), [KB.pool_state(pool, f) for f in experts_from_pool], 0
     states, passes, model = [], 0, None
     for t, name in enumerate(stream):
         model, _, st, info = sequential_lora(pool, base, [name], train_pairs, steps, batch, lr,
-                                             seed + t, mm=mm)
+                                             seed + t, mm=mm, device=device)
         states.append(st[0])
         passes += info["passes"]
     return model, states, passes
@@ -472,9 +481,10 @@ def lora_matrix(pm, states: list[dict], stream_names: list[str], tests: dict, to
 
 
 def lora_baselines(pool, model: str, scale: str, items, data: dict, prepared: list, qk: dict,
-                   tok, budget: int, sizes: dict, seed: int, with_steps: bool, mm=None) -> dict:
-    """Sequential LoRA, replay and MoE of LoRAs on one scenario: ``{method: {acc, trace,
-    passes}}``. The pool's adapters seed stage 1 and the experts when every task is its own pool
+                   tok, budget: int, sizes: dict, seed: int, with_steps: bool, mm=None,
+                   device="cpu") -> dict:
+    """Sequential LoRA, replay and MoE of LoRAs on one scenario, on ``device``: ``{method: {acc,
+    trace, passes}}``. The pool's adapters seed stage 1 and the experts when every task is its own pool
     family, and a pool adapter's training counts as the compute of the stage it stands for. The
     MoE keeps the experts that fit beside their centroids (the oldest goes first) and routes each
     query to the nearest centroid of the frozen retrieval keys; the gated MoE mixes the same
@@ -489,14 +499,15 @@ def lora_baselines(pool, model: str, scale: str, items, data: dict, prepared: li
     for kind, replay in (("sequential LoRA", 0), ("replay", sizes["replay_per_task"])):
         pm, _, states, info = sequential_lora(pool, model, names_s, pairs, sizes["lora_steps"],
                                               sizes["lora_batch"], sizes["lora_lr"], seed, replay,
-                                              first=fams[0] if seeded else None, mm=mm)
+                                              first=fams[0] if seeded else None, mm=mm,
+                                              device=device)
         out[kind] = lora_matrix(pm, states, names_s, tests, tok, budget,
                                 lambda t: info["adapter_bytes"] + info["buffer_bytes"][t], kind,
                                 with_steps)
         out[kind]["passes"] = info["passes"] + (pool_passes if seeded else 0)
     moe, experts, moe_passes = moe_experts(pool, model, names_s, pairs, fams if seeded else None,
                                            sizes["lora_steps"], sizes["lora_batch"],
-                                           sizes["lora_lr"], seed, mm)
+                                           sizes["lora_lr"], seed, mm, device)
     per_expert = KB.lora_bytes(moe)
     d = prepared[0].pool_keys.shape[1]
     cap = max(1, budget // (per_expert + 4 * d))
@@ -515,26 +526,26 @@ def lora_baselines(pool, model: str, scale: str, items, data: dict, prepared: li
     out["MoE of LoRAs"]["passes"] = moe_passes + (pool_passes * len(fams) if seeded else 0)
     out["MoE of LoRAs"]["experts_kept"] = len(live(len(names_s) - 1))
     out["gated MoE of LoRAs"] = gated_moe(model, scale, names_s, data, experts, qk, tok, budget,
-                                          per_expert, sizes, seed, with_steps, mm)
+                                          per_expert, sizes, seed, with_steps, mm, device)
     out["gated MoE of LoRAs"]["passes"] += out["MoE of LoRAs"]["passes"]
     return out
 
 
 def gated_moe(model: str, scale: str, names_s: list[str], data: dict, experts: list[dict],
               qk: dict, tok, budget: int, per_expert: int, sizes: dict, seed: int,
-              with_steps: bool, mm=None) -> dict:
+              with_steps: bool, mm=None, device="cpu") -> dict:
     """The MoE's experts mixed by a trained linear gate on the frozen retrieval key
     (:class:`KB.Gate`, :class:`KB.LoraMixture`): at task t the experts that fit beside the gate
     are live (the oldest goes first) and the gate is trained on task t's training data alone;
     ``acc[t, j]`` under the gate after task t. Also ``gate_weights[t][j]`` (mean weights on task
     j's tests) and ``gate_losses``."""
-    lm, _ = frozen_backbone(model, scale)
+    lm, _ = frozen_backbone(model, scale, device)
     if mm is not None:
         mm.setup(lm)
     d, T, n = lm.config.hidden_size, len(names_s), sizes["gate_steps"] * sizes["gate_batch"]
     qtrain = {m: K.query_keys(lm, tok, data[m]["train"][:n]) for m in names_s}
     pairs = {m: data[m]["pairs"][:n] for m in names_s}
-    gate = KB.Gate(d, T, seed)
+    gate = KB.Gate(d, T, seed).to(lm.device)
     row = per_expert + gate.nbytes(1)
     cap = max(1, budget // row)
     A, W, bud, losses, last = np.full((T, T), np.nan), [], K.Budget(budget), [], []
@@ -551,7 +562,7 @@ def gated_moe(model: str, scale: str, names_s: list[str], data: dict, experts: l
                     w = gate(qk[mj], live)
                 ex = KB.gated_scores(lm, mix, w, tok, data[mj]["test"], with_steps)[1]
                 A[t, j] = ex.mean()
-                W[t].append(w.mean(0).numpy())
+                W[t].append(w.mean(0).cpu().numpy())
                 if t == T - 1:
                     last.append(ex)
     return {"acc": A, "trace": bud.trace, "gate_weights": W, "gate_losses": losses,
@@ -566,7 +577,7 @@ def l2p_baseline(lm, tok, names_s: list[str], data: dict, qk: dict, budget: int,
     torch.manual_seed(seed)
     emb_scale = float(lm.get_input_embeddings().weight.std())
     pp = KB.PromptPool(sizes["l2p_prompts"], sizes["l2p_length"], lm.config.hidden_size,
-                       sizes["l2p_top"], emb_scale, seed)
+                       sizes["l2p_top"], emb_scale, seed).to(lm.device)
     spec = {"base": lm.zoo_card["key"], "stream": names_s, "batch": sizes["lora_batch"],
             "sizes": {k: sizes[k] for k in sizes if k.startswith("l2p")},
             "seed": seed, "data": {n: len(data[n]["pairs"]) for n in names_s}}
@@ -661,12 +672,13 @@ def calibration_summary(out: dict) -> dict[str, float]:
 
 # -- diagnostics (C5) and the footprint (C2) -----------------------------------------------------
 def compute_matched_lora(pool, model: str, names: list[str], data: dict, passes: int, tok,
-                         budget: int, sizes: dict, seed: int, with_steps: bool):
+                         budget: int, sizes: dict, seed: int, with_steps: bool, device="cpu"):
     """A fresh sequential LoRA given InduceKV's ``passes`` (a step of a batch costs three
     example-forwards): ``(steps per task, its accuracy matrix and trace, its passes)``."""
     steps = max(1, round(passes / len(names) / (3 * sizes["lora_batch"])))
     pm, _, st, info = sequential_lora(pool, model, names, {n: data[n]["pairs"] for n in names},
-                                      steps, sizes["lora_batch"], sizes["lora_lr"], seed)
+                                      steps, sizes["lora_batch"], sizes["lora_lr"], seed,
+                                      device=device)
     cm = lora_matrix(pm, st, names, {n: data[n]["test"] for n in names}, tok, budget,
                      lambda t: info["adapter_bytes"], "compute-matched LoRA", with_steps)
     return steps, cm, info["passes"]
@@ -795,7 +807,7 @@ def _retention(ps: PairScores, col: dict, cands: list, mem) -> np.ndarray:
     lp_now = ps.anchor_lp[rows, now]
     p = torch.softmax(torch.cat([K.similarity(akeys, torch.stack([c.key for c in cands]),
                                               mem.calib), sim.clamp(min=-1)], 1) / 0.1,
-                      dim=1)[:, :len(cands)].numpy()
+                      dim=1)[:, :len(cands)].cpu().numpy()
     lp_c = ps.anchor_lp[np.ix_(rows, [col[id(c)] for c in cands])]
     return -(p * np.maximum(0.0, lp_now[:, None] - lp_c)).mean(0)
 
@@ -813,7 +825,7 @@ def _stage(ps: PairScores, col: dict, P, cands: list, mem, budget: int, t: int, 
         scores["retention"] = _retention(ps, col, cands, K.Memory(K.Budget(budget),
                                                                   list(mem.entries), inner))
         sim = K.similarity(P.pool_keys, torch.stack([c.key for c in cands]), inner)
-        scores["coverage_sim"] = ((sim + 1) / 2).numpy()
+        scores["coverage_sim"] = ((sim + 1) / 2).cpu().numpy()
     reserve = 2 * cands[0].key.numel() * 4 if mem.calib is None else 0
     chosen = K.select(cands, budget - mem.nbytes - reserve, scores, weights, mode, rng)
     util = _unit(scores["likelihood"]) + _unit(scores["retention"])

@@ -98,9 +98,11 @@ def cvxpy_checks(S: dict, g: torch.Generator) -> list[dict]:
     return checks
 
 
-def frozen_lm(model: str, scale: str):
-    """The zoo LM with eager attention (C2 needs its weights) and every parameter frozen."""
-    lm, tok = zoo.load(model, scale)
+def frozen_lm(model: str, scale: str, device="cpu"):
+    """The zoo LM on ``device``, with eager attention (C2 needs its weights) and every parameter
+    frozen. Its features are analysed in float64 on the same device; the synthetic problems of
+    C1, C3 and C4 are float64 on the host."""
+    lm, tok = zoo.load(model, scale, device=str(device))
     lm.set_attn_implementation("eager")
     for p in lm.parameters():
         p.requires_grad_(False)
@@ -113,10 +115,10 @@ def attention_names(lm) -> tuple[int, dict]:
     return last, {p: f"model.layers.{last}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")}
 
 
-def task_examples_batch(tok, family: str, n: int, seed: int) -> dict:
-    """A packed batch of ``n`` examples of ``family`` at its easiest difficulty."""
+def task_examples_batch(tok, family: str, n: int, seed: int, device=None) -> dict:
+    """A packed batch of ``n`` examples of ``family`` at its easiest difficulty (on ``device``)."""
     exs = tasks.generate(family, n, seed=seed, difficulty=tasks.get(family).difficulties[0])
-    return task_batch(tok, exs)
+    return task_batch(tok, exs, device)
 
 
 def loss_with(lm, name: str, delta: torch.Tensor, batch: dict, logits: bool = False):
@@ -162,7 +164,7 @@ def shift_gap(feats: dict, g: torch.Generator) -> float:
     row constant; shift every row by a random constant."""
     return br.softmax_shift_gap(torch.log(feats["attn"].clamp_min(1e-300)),
                                 10 * torch.randn(feats["attn"].shape[:-1], generator=g,
-                                                 dtype=torch.float64))
+                                                 dtype=torch.float64).to(feats["attn"].device))
 
 
 def constant_key_change(lm, k_name: str, batch: dict, g: torch.Generator) -> dict:
@@ -357,7 +359,7 @@ def lora_rank_sweep(lm, tok, family: str, layer: int, S: dict, seed: int, progre
     rs_ = np.random.default_rng(seed)
     tr_ex = [train_pool[i] for i in rs_.permutation(len(train_pool))[:S["lora_train"]]]
     te_ex = [test_pool[i] for i in rs_.permutation(len(test_pool))[:S["lora_test"]]]
-    btr, bte = task_batch(tok, tr_ex), task_batch(tok, te_ex)
+    btr, bte = task_batch(tok, tr_ex, lm.device), task_batch(tok, te_ex, lm.device)
     ftr = br.block_features(lm, btr)
     xtr_lm = ftr["x"][br.feeding_positions(btr["labels"])]
     rows, traces = [], {}

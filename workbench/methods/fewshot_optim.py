@@ -65,7 +65,8 @@ class FewShotClassifier(nn.Module):
             pass
         elif mode == "coop":
             self.head.requires_grad_(False)
-            ids = clip.tokenize(tok, [f"a photo of a {n}" for n in self.names])
+            ids = clip.tokenize(tok, [f"a photo of a {n}" for n in self.names],
+                                _device(self.model))
             self.register_buffer("ids", ids["input_ids"])
             self.register_buffer("mask", ids["attention_mask"])
             emb = self.model.text_model.embeddings.token_embedding
@@ -88,6 +89,7 @@ class FewShotClassifier(nn.Module):
             raise ValueError(mode)
         if mode != "coop":
             self.head.requires_grad_(mode in ("full", "linear"))
+        self.to(self.head.device)       # what was built here (adapter, CoOp's ids) joins CLIP
 
     def _ctx_hook(self, module, inputs, out):
         # CoOp (Zhou et al. 2022, eq. 2): the prompt's context tokens are free vectors
@@ -115,6 +117,7 @@ class FewShotClassifier(nn.Module):
 
     def features(self, x):
         """The image tower's pooled features of ``x`` (before the head)."""
+        x = torch.as_tensor(x, dtype=torch.float32, device=self.head.device)
         return clip.pooled(self.model.get_image_features(pixel_values=x))
 
     def classify(self, f):
@@ -129,6 +132,11 @@ class FewShotClassifier(nn.Module):
 
     def trainable(self):
         return [p for p in self.parameters() if p.requires_grad]
+
+
+def _device(module) -> torch.device:
+    """Where ``module``'s parameters live (the run's device once CLIP was loaded there)."""
+    return next(module.parameters()).device
 
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "adam_budget", "adam_numerator", "shampoo", "soap")
@@ -167,6 +175,7 @@ def train(clf: FewShotClassifier, x, y, optimizer: str, lr: float, steps: int,
     the steps taken; a diverged run's last entry is NaN."""
     params = clf.trainable()
     opt = make_optimizer(optimizer, params, lr)
+    y = torch.as_tensor(y, device=_device(clf))
     losses = []
     clf.train()
     frozen = getattr(clf, "frozen_tower", False)
@@ -207,7 +216,7 @@ def correct(clf, x, y, batch: int = 1024) -> torch.Tensor:
     clf.eval()
     with torch.no_grad():
         pred = torch.cat([clf(x[i: i + batch]).argmax(-1) for i in range(0, len(x), batch)])
-    return pred == y
+    return pred == torch.as_tensor(y, device=pred.device)
 
 
 def accuracy(clf, x, y, batch: int = 1024) -> float:
@@ -218,7 +227,8 @@ def accuracy(clf, x, y, batch: int = 1024) -> float:
 def full_grad(clf, x, y):
     """The gradient of the mean cross-entropy on ``(x, y)`` w.r.t. the trainable parameters."""
     params = clf.trainable()
-    return torch.autograd.grad(F.cross_entropy(clf(x), y), params)
+    return torch.autograd.grad(F.cross_entropy(clf(x), torch.as_tensor(y, device=_device(clf))),
+                               params)
 
 
 def per_example_sq_grads(clf, x, y, chunk: int = 256) -> torch.Tensor:
@@ -232,7 +242,10 @@ def per_example_sq_grads(clf, x, y, chunk: int = 256) -> torch.Tensor:
         return F.cross_entropy(functional_call(clf, pr, (xi[None],)), yi[None])
 
     per_example = vmap(grad(loss_one), in_dims=(None, 0, 0))
-    acc = torch.zeros(sum(params[n].numel() for n in names))
+    dev = _device(clf)
+    x = torch.as_tensor(x, dtype=torch.float32, device=dev)
+    y = torch.as_tensor(y, device=dev)
+    acc = torch.zeros(sum(params[n].numel() for n in names), device=dev)
     for i in range(0, len(x), chunk):
         g = per_example(params, x[i: i + chunk], y[i: i + chunk])
         acc += torch.cat([(g[n] ** 2).sum(0).reshape(-1) for n in names])
@@ -243,7 +256,7 @@ def second_moment_ratio(v_few: torch.Tensor, v_full: torch.Tensor, eps: float = 
     """Per-coordinate ratio v_few / v_full over coordinates with v_full > eps, and summary:
     median and the fraction of coordinates below 1 (C2: few-shot underestimates)."""
     keep = v_full > eps
-    r = v_few[keep] / v_full[keep]
+    r = (v_few[keep] / v_full[keep]).cpu()          # for histograms and numpy
     return r, {"median": float(r.median()), "frac_below_1": float((r < 1).float().mean()),
                "geo_mean": float(r.clamp_min(1e-30).log().mean().exp())}
 

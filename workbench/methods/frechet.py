@@ -66,13 +66,14 @@ def lora_layers(model, adapter: str) -> dict:
 
 
 def get_factors(model, adapter: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """``{module: (B, A)}`` in float64 with the LoRA scaling folded in (sqrt on each side), so
-    that ``B @ A`` is exactly the module's ``Delta W`` (peft: scaling * B A)."""
+    """``{module: (B, A)}`` in float64 on the host (where the merges run) with the LoRA scaling
+    folded in (sqrt on each side), so that ``B @ A`` is exactly the module's ``Delta W`` (peft:
+    scaling * B A)."""
     out = {}
     for n, m in lora_layers(model, adapter).items():
         s = float(m.scaling[adapter]) ** 0.5
-        out[n] = (s * m.lora_B[adapter].weight.detach().double(),
-                  s * m.lora_A[adapter].weight.detach().double())
+        out[n] = (s * m.lora_B[adapter].weight.detach().double().cpu(),
+                  s * m.lora_A[adapter].weight.detach().double().cpu())
     return out
 
 
@@ -83,8 +84,8 @@ def set_factors(model, adapter: str, factors: dict) -> None:
         b, a = factors[n]
         s = float(m.scaling[adapter]) ** 0.5
         with torch.no_grad():
-            m.lora_B[adapter].weight.copy_((b / s).to(m.lora_B[adapter].weight.dtype))
-            m.lora_A[adapter].weight.copy_((a / s).to(m.lora_A[adapter].weight.dtype))
+            m.lora_B[adapter].weight.copy_((b / s).to(m.lora_B[adapter].weight))  # its dtype
+            m.lora_A[adapter].weight.copy_((a / s).to(m.lora_A[adapter].weight))  # and device
 
 
 # -- the symmetry ---------------------------------------------------------------------------------

@@ -165,13 +165,15 @@ class ResidualStack(nn.Module):
         self.dim, self.rank, self.per_session = dim, rank, per_session
         self.c_task, self.c_cum = c_task, c_cum
         self.adapters = nn.ModuleList()
+        # where new sessions' factors go: follows .to(device), and is no part of the state
+        self.register_buffer("_device", torch.zeros(0), persistent=False)
 
     def new_session(self) -> None:
         """Freeze what earlier sessions learned and (per_session) add a fresh adapter."""
         if self.per_session or not self.adapters:
             for p in self.adapters.parameters():
                 p.requires_grad_(False)
-            self.adapters.append(LowRankAdapter(self.dim, self.rank))
+            self.adapters.append(LowRankAdapter(self.dim, self.rank).to(self._device.device))
 
     def residuals(self, f) -> list[torch.Tensor]:
         """The raw per-task residuals u_s(f), one (..., d) tensor per session."""

@@ -150,7 +150,8 @@ class RocHooks:
     def __init__(self, model, factors: list[dict]):
         self.n, self.rank = len(factors), next(iter(factors[0].values()))[0].shape[1]
         self.mode, self.w, self.k, self.top, self.active = "off", None, None, 1, {}
-        self.allowed = torch.ones(self.n, dtype=torch.bool)
+        self.device = next(iter(factors[0].values()))[0].device     # the pool's LoRAs' device
+        self.allowed = torch.ones(self.n, dtype=torch.bool, device=self.device)
         self.handles = []
         for name in factors[0]:
             mod = model.get_submodule(name)
@@ -164,8 +165,8 @@ class RocHooks:
         the whole LoRA; 0: off). Row i of the next batches gets row i's routing. Only the LoRAs
         some row uses are computed, and the token-level ranking only runs when some k is partial."""
         self.mode = "gates"
-        w = torch.as_tensor(np.asarray(w), dtype=torch.float32)
-        k = torch.as_tensor(np.asarray(k), dtype=torch.long)
+        w = torch.as_tensor(np.asarray(w), dtype=torch.float32, device=self.device)
+        k = torch.as_tensor(np.asarray(k), dtype=torch.long, device=self.device)
         w = w * (k > 0)
         self.sel = torch.nonzero((w != 0).any(0)).flatten()             # the LoRAs in use
         self.w, self.k = w[:, self.sel], k[:, self.sel]
@@ -176,8 +177,9 @@ class RocHooks:
         """Arrow-style per-token routing over the ``allowed`` LoRAs (default all): the top ``top``
         prototypes by |v_j^T x|, softmax-weighted."""
         self.mode, self.top = "arrow", top
-        self.allowed = torch.ones(self.n, dtype=torch.bool) if allowed is None else \
-            torch.as_tensor(np.asarray(allowed), dtype=torch.bool)
+        self.allowed = torch.ones(self.n, dtype=torch.bool, device=self.device) \
+            if allowed is None else torch.as_tensor(np.asarray(allowed), dtype=torch.bool,
+                                                    device=self.device)
 
     def off(self) -> None:
         self.mode = "off"

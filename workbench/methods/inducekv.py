@@ -272,8 +272,8 @@ def fit_calibration(keys: torch.Tensor, tasks: list[str], steps: int = 60, lr: f
     logw = (1.0 / (keys.std(0) + 1e-4)).log() if len(keys) > 1 else torch.zeros_like(mu)
     if len(set(tasks)) >= 2 and steps > 0:
         logw = logw.clone().requires_grad_(True)
-        same = torch.tensor([[a == b for b in tasks] for a in tasks])
-        eye = torch.eye(len(tasks), dtype=torch.bool)
+        same = torch.tensor([[a == b for b in tasks] for a in tasks], device=keys.device)
+        eye = torch.eye(len(tasks), dtype=torch.bool, device=keys.device)
         opt = torch.optim.Adam([logw], lr=lr)
         for _ in range(steps):
             z = F.normalize((keys - mu) * logw.exp(), dim=-1)
@@ -380,7 +380,7 @@ def retention(model, tok, cands: list[Entry], memory: Memory, k: int = 1,
     out = []
     for ci, c in enumerate(cands):
         lp_c, _ = answer_scores(model, tok, exs, [c], with_steps)
-        out.append(-(p[:, ci].numpy() * np.maximum(0.0, lp_now - lp_c)).mean())
+        out.append(-(p[:, ci].cpu().numpy() * np.maximum(0.0, lp_now - lp_c)).mean())
     return np.array(out)
 
 
@@ -529,7 +529,7 @@ def run_stream(model, tok, prepared: list[Prepared], tests: dict, budget: int,
             scores["retention"] = retention(model, tok, P.cands, probe_mem, k, with_steps)
             passes += len(P.cands) * len(mem.entries)
             sim = similarity(P.pool_keys, torch.stack([c.key for c in P.cands]), inner)
-            scores["coverage_sim"] = ((sim + 1) / 2).numpy()
+            scores["coverage_sim"] = ((sim + 1) / 2).cpu().numpy()
         room = budget - mem.nbytes - (reserve if mem.calib is None else 0)
         chosen = select(P.cands, room, scores, weights, mode, rng)
         util = (_unit(scores["likelihood"]) + _unit(scores["retention"]))

@@ -93,7 +93,7 @@ def centroids(keys: dict[str, torch.Tensor]) -> tuple[list[str], torch.Tensor]:
 def route(q: torch.Tensor, cents: torch.Tensor) -> np.ndarray:
     """Index of the nearest centroid (cosine after centring on the centroids' mean)."""
     mu = cents.mean(0) if len(cents) > 1 else torch.zeros_like(cents[0])
-    return K.similarity(q - mu, cents - mu).argmax(1).numpy()
+    return K.similarity(q - mu, cents - mu).argmax(1).cpu().numpy()
 
 
 # -- MoE of LoRAs with a trained gate (LoRAMoE / MoELoRA) ---------------------------------------
@@ -228,9 +228,10 @@ class PromptPool(nn.Module):
 
 
 def l2p_forward(model, pool: PromptPool, ids, labels, q):
+    ids, labels = ids.to(q.device), labels.to(q.device)         # the query keys' (model's) device
     embeds, pull = pool.inputs(model, ids, q)
     pad = torch.full((ids.shape[0], embeds.shape[1] - ids.shape[1]), packing.IGNORE,
-                     dtype=labels.dtype)
+                     dtype=labels.dtype, device=labels.device)
     lab = torch.cat([pad, labels], 1)
     out = model(inputs_embeds=embeds, labels=lab)
     return out, lab, pull

@@ -125,7 +125,7 @@ def install(lm, projector: Projector, features: torch.Tensor) -> nn.Module:
     text = lm.get_input_embeddings()
     if isinstance(text, PrefixEmbedding):
         text = text.text
-    lm.set_input_embeddings(PrefixEmbedding(text, projector, features))
+    lm.set_input_embeddings(PrefixEmbedding(text, projector, features).to(text.weight.device))
     return lm
 
 

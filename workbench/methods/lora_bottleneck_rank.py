@@ -54,6 +54,8 @@ from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import LoraLayer
 from torch import nn
 
+from .. import placement
+
 __all__ = ["RTOL", "numeric_rank", "row_basis", "bottleneck_rank", "project_rows",
            "outside_energy", "null_update", "centered", "softmax_shift_gap", "trace_norm", "svt",
            "psd_perturbation", "LeastSquares", "prox_grad", "kkt_residual", "cvxpy_solve",
@@ -108,7 +110,7 @@ def null_update(x, d_out: int, generator: torch.Generator | None = None,
                 rtol: float = RTOL) -> torch.Tensor:
     """A random D (d_out x d_in) with D X^T = 0: by (1) the loss cannot see it."""
     x = torch.as_tensor(x).detach().double()
-    g = torch.randn(d_out, x.shape[1], generator=generator, dtype=torch.float64)
+    g = torch.randn(d_out, x.shape[1], generator=generator, dtype=torch.float64).to(x.device)
     return g - project_rows(g, row_basis(x, rtol))
 
 
@@ -237,9 +239,10 @@ def kkt_residual(problem: LeastSquares, d: torch.Tensor, rtol: float = 1e-8) -> 
     g = -problem.grad(d) / problem.lam
     u, s, vh = torch.linalg.svd(d, full_matrices=False)
     k = int((s > rtol * max(float(s[0]), 1e-300)).sum()) if s.numel() else 0
-    on = float((u[:, :k].T @ g @ vh[:k].T - torch.eye(k, dtype=g.dtype)).abs().max()) if k else 0.0
-    pu = torch.eye(g.shape[0], dtype=g.dtype) - u[:, :k] @ u[:, :k].T
-    pv = torch.eye(g.shape[1], dtype=g.dtype) - vh[:k].T @ vh[:k]
+    eye = lambda n: torch.eye(n, dtype=g.dtype, device=g.device)    # noqa: E731
+    on = float((u[:, :k].T @ g @ vh[:k].T - eye(k)).abs().max()) if k else 0.0
+    pu = eye(g.shape[0]) - u[:, :k] @ u[:, :k].T
+    pv = eye(g.shape[1]) - vh[:k].T @ vh[:k]
     off = max(float(torch.linalg.matrix_norm(pu @ g @ pv, 2)) - 1.0, 0.0)
     return max(on, off)
 
@@ -307,11 +310,13 @@ def lora_delta(model: nn.Module) -> torch.Tensor:
     return out
 
 
+@placement.on_host
 def train_lora(problem: LeastSquares, rank: int, seed: int = 0, max_iter: int = 200,
                tol: float = 1e-8) -> tuple[torch.Tensor, dict]:
     """Minimize f(B A) + lam/2 (||A||^2 + ||B||^2) over peft's LoRA factors with L-BFGS (strong
     Wolfe line search) from peft's init (A Kaiming-uniform, B = 0). Returns (D, info), info with
-    the final gradient norm (a stationary point has 0)."""
+    the final gradient norm (a stationary point has 0). On the host in float64, by design (a
+    synthetic problem of a few dozen dimensions)."""
     d_out, d_in = problem.shape
     model = peft_linear(d_in, d_out, rank, seed)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -382,7 +387,7 @@ def feeding_positions(labels: torch.Tensor) -> torch.Tensor:
     """(B, T) mask of positions at or before a row's last loss position (causal attention: the
     rest cannot reach the loss)."""
     s = loss_positions(labels)
-    idx = torch.arange(labels.shape[1])
+    idx = torch.arange(labels.shape[1], device=labels.device)
     last = torch.where(s.any(1), (s * idx).max(1).values, torch.full_like(s[:, 0], -1,
                                                                           dtype=torch.long))
     return idx[None, :] <= last[:, None]
@@ -422,7 +427,7 @@ def attention_bases(feats: dict, labels: torch.Tensor, rtol: float = RTOL) -> di
     """
     x, a = feats["x"], feats["attn"]
     s, f = loss_positions(labels), feeding_positions(labels)
-    seq = torch.arange(x.shape[0])[:, None].expand_as(f)
+    seq = torch.arange(x.shape[0], device=f.device)[:, None].expand_as(f)
     xf = x[f]
     out = {"generic": row_basis(xf, rtol), "query": row_basis(x[s], rtol),
            "key": row_basis(centered(xf, seq[f]), rtol)}
@@ -531,5 +536,6 @@ def constant_key_update(feats: dict, labels: torch.Tensor, row: int = 0,
     b = row_basis(xc)
     mean = x.mean(0)
     v = mean - b @ (b.T @ mean)                          # the part of the mean outside span(X_c)
-    c = torch.randn(feats["wo"].shape[1], generator=generator, dtype=torch.float64)
+    c = torch.randn(feats["wo"].shape[1], generator=generator, dtype=torch.float64).to(
+        feats["wo"].device)
     return torch.outer(c, v) / float(v @ mean)

@@ -75,6 +75,7 @@ def lorahub_loss(model, tok, hooks: ComposedLora, examples: list, w, with_steps:
     batch = packing.pad(packing.encode(tok, [e.prompt for e in examples],
                                        [e.completion(with_steps) for e in examples]),
                         tok.pad_token_id)
+    batch = {k: v.to(model.device) for k, v in batch.items()}
     with torch.no_grad():
         ce = float(model(**batch).loss)
     return ce + alpha * float(np.mean(np.abs(w)))

@@ -43,6 +43,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from ..runtime import fast_math
+
 __all__ = ["EPS", "PATHS", "block_ids", "block_mask", "parallel_mask", "additive", "add_mask_token",
            "p_mask", "noise", "shifted_logits", "weighted_ce", "diffusion_loss", "one_pass",
            "two_pass", "ar_loss", "curriculum", "anneal_fraction", "annealed_parallel_mask",
@@ -281,8 +283,9 @@ def adapt(model, x0, start, path: str, steps: int, final: int, mask_id: int, lr:
     losses = []
     for step in range(steps):
         idx = torch.randint(0, len(x0), (batch,), generator=g)
-        loss, _ = train_step_loss(model, x0[idx], start[idx], path, step, steps, final, mask_id,
-                                  ar_weight, g)
+        with fast_math(x0.device):
+            loss, _ = train_step_loss(model, x0[idx], start[idx], path, step, steps, final,
+                                      mask_id, ar_weight, g)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

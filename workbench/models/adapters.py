@@ -152,7 +152,8 @@ def _train_pairs(names: tuple[str, ...], n: int, with_steps: bool, tok, seed: in
 def _build(base, model_scale, names, rank, lora_scale, size: PoolSize, out: Path):
     t_all = time.time()
     path, _ = zoo.ensure(base, model_scale)
-    model, tok = zoo.load(base, model_scale)
+    device = zoo.build_device(model_scale)         # a GPU for full-scale pools, as for zoo builds
+    model, tok = zoo.load(base, model_scale, device=device)
     with_steps = zoo.recipe(base).with_steps
     eval_fams = sorted({f for n in names for f in members(n)}, key=zoo.ALL_FAMILIES.index)
     evals = {f: evaluate.heldout_examples(f, evaluate.MIDDLE[f], size.eval_examples, seed=999)[0]
@@ -172,7 +173,7 @@ def _build(base, model_scale, names, rank, lora_scale, size: PoolSize, out: Path
             exs, pairs = _train_pairs(fams, size.n_train, with_steps, tok)
             pairs = [p for e, p in zip(exs, pairs) if e.prompt not in banned]
             torch.manual_seed(0)            # before the load, as the cached pools were built
-            fresh, _ = zoo.load(base, model_scale)
+            fresh, _ = zoo.load(base, model_scale, device=device)
             peft_model = lora_model(fresh, rank, lora_scale)
             losses = train_steps(peft_model, pairs, size.steps, size.batch, size.lr, 0,
                                  tok.pad_token_id)
@@ -205,7 +206,7 @@ def _cat_merges(base, model_scale, card, score, out: Path) -> dict:
     for i, a in enumerate(gaining):
         for b in gaining[i + 1:]:
             t0 = time.time()
-            model, _ = zoo.load(base, model_scale)
+            model, _ = zoo.load(base, model_scale, device=zoo.build_device(model_scale))
             model = PeftModel.from_pretrained(model, out / a, adapter_name=a)
             model.load_adapter(out / b, adapter_name=b)
             model.add_weighted_adapter([a, b], [1.0, 1.0], "cat", combination_type="cat")

@@ -18,6 +18,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from .. import cache
+from ..runtime import fast_math
 from ..data import packing
 from . import zoo
 
@@ -83,7 +84,8 @@ def train_steps(model, pairs, steps: int, batch: int, lr: float, seed: int, pad_
         if n_old:
             rows += [replay[i] for i in torch.randint(0, len(replay), (n_old,), generator=g)]
         b = packing.pad(rows, pad_id)
-        loss = model(**{k: v.to(device) for k, v in b.items()}).loss
+        with fast_math(device):
+            loss = model(**{k: v.to(device) for k, v in b.items()}).loss
         loss.backward()
         opt.step()
         sched.step()

@@ -21,6 +21,7 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
                           Qwen2Config, Qwen2ForCausalLM)
 
 from .. import evaluate
+from ..runtime import fast_math
 from ..data import corpus, packing, tasks
 from ..env import torch_threads
 from ..progress import progress
@@ -288,7 +289,8 @@ def loop_v2(model, opt, sched, text_ids, task_x, task_y, r: Recipe, s: Size, pad
             x, y = torch.cat([x, tx[p]]), torch.cat([x, ty[p]])
             if tpos is not None:
                 pos = torch.cat([text_pos, tpos[p]])
-        loss = model(input_ids=x, labels=y, position_ids=pos, use_cache=False).loss
+        with fast_math(device):                     # bf16 on CUDA; nothing on the CPU
+            loss = model(input_ids=x, labels=y, position_ids=pos, use_cache=False).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
         opt.step()

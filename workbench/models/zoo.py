@@ -38,6 +38,13 @@ def model_dir(name: str, scale: str = "smoke", given: Recipe | None = None) -> P
     return zoo_dir() / f"{r.name}-{scale}-{r.key(scale)}"
 
 
+def build_device(scale: str) -> str:
+    """Where a zoo build (a backbone, the LoRA pool) trains: CUDA for full-scale builds when it
+    is present, else the CPU (smoke builds stay on the CPU, where the shipped ones were built)."""
+    import torch
+    return "cuda" if scale == "full" and torch.cuda.is_available() else "cpu"
+
+
 def load(name: str, scale: str = "smoke", recipe: Recipe | None = None, device: str = "cpu"):
     """``(model, tokenizer)`` for zoo model ``name`` at ``scale``, built on first use.
 

@@ -1,0 +1,56 @@
+"""Every notebook's estimated cost at full scale on one H100 (workbench/plan.py), as the README's
+markdown table: ``python benchmarks/plan_full.py [--scale full] [--json OUT]``.
+
+Estimates from each notebook's SIZES row and its zoo models' configs at a stated utilisation,
+not measurements (no GPU was at hand when the table was written). The zoo builds a notebook
+would start when the cache lacks them are listed beside it: each builds once, then every
+notebook that uses it reads the cache.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from workbench import notebooks, plan  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--scale", default="full", choices=("smoke", "full"))
+    ap.add_argument("--json", default=None, help="also write the rows as JSON here")
+    ap.add_argument("--readme", action="store_true",
+                    help="rewrite the README's notebook table with the estimates' column")
+    args = ap.parse_args(argv)
+    rows = [plan.estimate(i.slug, i.path, args.scale).row() for i in notebooks.discover()]
+    print(plan.table(rows))
+    over = [r["notebook"] for r in rows if r["h100_s"] > plan.BUDGET_S]
+    print(f"\nAssumed: {plan.assumptions()}. Over the 10-minute budget: {', '.join(over) or 'none'}.")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    if args.readme:
+        readme_table(rows)
+    return 0
+
+
+def readme_table(rows: list[dict]) -> None:
+    """The README's notebook table (no, notebook, paper) with a column of these estimates."""
+    path = Path(__file__).resolve().parents[1] / "README.md"
+    lines = path.read_text().split("\n")
+    start = next(i for i, line in enumerate(lines) if line.startswith("| no | notebook | paper"))
+    end = next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))
+    by_no = {r["notebook"][:2]: r for r in rows}
+    table = ["| no | notebook | paper | full on one H100 (est.) |", "|----|----|----|----|"]
+    for line in lines[start + 2:end]:
+        no, nb, paper = [c.strip() for c in line.strip("|").split("|")[:3]]
+        r = by_no[no]
+        table.append(f"| {no} | {nb} | {paper} | {plan.duration(r['h100_s'])}, "
+                     f"{r['peak_gib']:.1f} GiB |")
+    path.write_text("\n".join(lines[:start] + table + lines[end:]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
