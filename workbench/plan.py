@@ -199,13 +199,14 @@ def c03(p, S):
 
 def c04(p, S):
     m = _lm(p, S, "model", "base", default="lm-tiny")
-    runs = S["n_runs"] * 7                                      # seven methods
+    runs = len(S["lrs"]) * 7                                   # seven methods on one grid
     rows = S["prompts"] * S["group"]
     gen = Cost("rollouts", m.forward(runs * S["steps"] * rows * 24, 24),
                calls=runs * S["steps"] * S["max_new_tokens"], peak_bytes=m.infer_bytes(rows, 24))
+    evals = runs * (S["n_val"] + S["n_eval"]) * max(1, S["steps"] // S["every"])
     return [gen, _fit(m, runs * S["steps"] * S["num_iterations"], rows, 24, "GRPO updates",
                       lora=False),
-            _gen(m, runs * S["n_eval"] * S["steps"] / S["every"], S["max_new_tokens"])]
+            _gen(m, evals, S["max_new_tokens"])]
 
 
 def c05(p, S):
