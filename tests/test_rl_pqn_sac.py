@@ -86,7 +86,7 @@ def test_simba_torso_is_on_the_sphere_and_wide_matches_hr_parameters():
     for kind in TORSOS:
         t = SimbaTorso(torso_factory(kind, "classic", 32), 4, embed_dim=32)
         z = t(torch.randn(7, 4) * 5)
-        torch.testing.assert_close(z.norm(dim=-1), torch.ones(7))
+        torch.testing.assert_close(z.norm(dim=-1) / t.scaler[0], torch.ones(7))
         sizes[kind] = rep_param_count(t.inner, 32)
     assert sizes["hadamard"] > sizes["standard"]
     assert abs(sizes["wide"] - sizes["hadamard"]) / sizes["hadamard"] < 0.03
