@@ -142,3 +142,19 @@ def test_claim_intervals_are_positive_when_hr_wins():
     assert ci.loc["c3_standard", "diff"] == pytest.approx(5.0)          # 95 - 0.9 x 100: matches
     assert ci.loc["c3_wide", "high"] == pytest.approx(-25.0)            # loses to wide
     assert (ci.n_seeds == 2).all() and ci.loc["c3_wide", "n_items"] == 6
+
+
+def test_other_agents_skip_when_unsized_and_summarize_when_run():
+    setup = X.make_setup(S, "ppo", "tanh", 0, 0.1, 0.1, "cpu")
+    assert X.train_other_agents(dict(S, pqn=None, sac=None), setup) == {}
+    sized = dict(S, pqn=dict(env_id="MinAtar/Breakout-v1", total_timesteps=1024, num_envs=4,
+                             num_steps=32, diag_every=2, width=16, n_inner_seeds=2),
+                 sac=dict(total_timesteps=300, learning_starts=150, batch_size=16, embed_dim=8,
+                          diag_every=50, width=8, n_inner_seeds=1))
+    other = X.train_other_agents(sized, setup)
+    assert {a: len(other[a]["hadamard"]) for a in other} == {"pqn": 2, "sac": 1}
+    table = X.other_agents_summary(other)
+    assert len(table) == 6 and np.isfinite(table["erank_late"]).all()
+    ci = X.other_agents_intervals(other)
+    assert list(ci.index) == [f"{a}_{n}" for a in ("pqn", "sac")
+                              for n in ("c1", "c4", "erank_std", "erank_wide")]

@@ -255,8 +255,13 @@ def c09(p, S):
     P = 4 * S["width"] ** 2 + 64 * 100 * S["width"] // 10
     batch = cfg.get("num_envs", 4) * cfg.get("num_steps", 1)
     updates = env / batch * (4 if agent == "ppo" else 1)
-    return [Cost("environment steps (host)", 0, host_s=env * ENV_STEP_S),
-            _mlp(P, env * 4, updates, f"{agent} updates")]
+    other = [c for c in (S.get("pqn"), S.get("sac")) if c]      # issue 36: PQN and SAC, 3 torsos
+    o_env = sum(3 * c["n_inner_seeds"] * c["total_timesteps"] for c in other)
+    o_upd = sum(3 * c["n_inner_seeds"] * c["total_timesteps"] * (1.5 if "batch_size" in c else
+                2 * 4 / (c["num_envs"] * c["num_steps"])) for c in other)
+    return [Cost("environment steps (host)", 0, host_s=(env + o_env) * ENV_STEP_S),
+            _mlp(P, env * 4, updates, f"{agent} updates"),
+            _mlp(P, o_env * 4, o_upd, "PQN and SAC updates")]
 
 
 def c10(p, S):

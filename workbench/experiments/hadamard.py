@@ -34,7 +34,8 @@ __all__ = ["AGENTS", "LABEL", "PPO_LOGS", "Setup", "make_setup", "torso_sizes", 
            "policy_actions", "eval_returns", "final_returns", "claim_intervals",
            "curves_by_torso", "ppo_logs", "ppo_log_means", "relu_summary", "branch_saturation",
            "spectrum_figure", "spectrum_slider", "spectrum_start_end", "preactivations",
-           "saturation_at", "gain_table", "gain_figure"]
+           "saturation_at", "gain_table", "gain_figure", "OTHER_AGENTS",
+           "train_other_agents", "other_agents_summary", "other_agents_intervals"]
 
 AGENTS = ("ppo", "dqn")
 LABEL = {"standard": "standard", "hadamard": "HR", "wide": "wide (param-matched)"}
@@ -382,3 +383,86 @@ def gain_figure(table: pd.DataFrame, hr_result: dict, gain: float, seed: int):
           xlim=(0, 1.02), ylim=(0, 1.02), title=f"HR units at gain {gain:g}")
     b.legend(fontsize=7)
     return fig
+
+
+# ---- the other agents of issue 36: PQN on MinAtar and a SimbaV2-style SAC ----
+
+OTHER_AGENTS = {"pqn": "PQN", "sac": "SAC (SimbaV2-style)"}
+
+
+def _other_run(agent: str, cfg: dict, kind: str, seed: int, width: int, act: str, tau: float,
+               activity_tau: float, device) -> dict:
+    """One PQN or SAC run with one torso; the representation measured as in :func:`train_one`
+    (PQN: the Q-network's torso on the rollout; SAC: the first critic's inner torso, the block
+    under study inside the hyperspherical residual, on a replay sample of (s, a))."""
+    from workbench.rl.pqn import PQNSettings, train_pqn
+    from workbench.rl.sac import SACSettings, train_sac
+    seed_everything(seed)
+    tr = dx.Tracker()
+    stats = lambda torso, x: hr.representation_stats(torso, x, tau, activity_tau)   # noqa: E731
+    if agent == "pqn":                     # PQN's LayerNorm: in each branch of the layer under study
+        fn = hr.torso_factory(kind, env_family(cfg["env_id"]), width, act, norm=True)
+        out = train_pqn(PQNSettings(**cfg), fn, seed=seed, device=device,
+                        on_update=lambda u, step, net, obs: tr.log(step, **_no_sv(stats(net.torso, obs))))
+    else:
+        def measure(step, nets, obs, actions):
+            q = nets["qf1"].torso
+            tr.log(step, **_no_sv(stats(q.inner, q.embed_input(torch.cat([obs, actions], -1)))))
+        out = train_sac(SACSettings(**cfg), hr.torso_factory(kind, "classic", width, act), seed=seed,
+                        device=device, on_eval=measure)
+    return {"tracker": tr, "episodes": np.array(out["episodes"], float).reshape(-1, 2), "sps": out["sps"]}
+
+
+def _no_sv(st: dict) -> dict:
+    st.pop("sv")
+    return st
+
+
+def train_other_agents(S: dict, setup: Setup, progress=lambda it, **kw: it) -> dict:
+    """agent -> kind -> one :func:`_other_run` per inner seed (``setup.inner_seeds``, at most
+    ``S['n_inner_seeds']``), for the agents whose settings ``S[agent]`` gives (none: skipped)."""
+    out = {}
+    for agent in OTHER_AGENTS:
+        cfg = S.get(agent)
+        if not cfg:
+            continue
+        cfg = dict(cfg)
+        width, seeds = cfg.pop("width"), setup.inner_seeds[:cfg.pop("n_inner_seeds")]
+        jobs = [(k, s) for k in hr.TORSOS for s in seeds]
+        out[agent] = {k: [] for k in hr.TORSOS}
+        for kind, s in progress(jobs, desc=agent):
+            out[agent][kind].append(_other_run(agent, cfg, kind, s, width, setup.activation,
+                                               setup.tau, setup.activity_tau, setup.device))
+    return out
+
+
+def other_agents_summary(other: dict) -> pd.DataFrame:
+    """A row per (agent, torso): inactive and tau-dormant fractions over all checkpoints,
+    saturated fraction, erank and srank over the second half of training, and the mean return
+    of the episodes finished in the last 20 % of training (mean over inner seeds)."""
+    rows = {}
+    for agent, results in other.items():
+        steps = checkpoints(results)
+        s = summarize(results, steps)
+        for kind in hr.TORSOS:
+            rows[(OTHER_AGENTS[agent], LABEL[kind])] = {
+                k: s[kind][k] for k in ("inactive_mean", "dormant_mean", "saturated_late",
+                                        "erank_late", "srank_late", "return_final")}
+    return pd.DataFrame(rows).T
+
+
+def other_agents_intervals(other: dict) -> pd.DataFrame:
+    """Per agent, the paired C1 / C4 / rank comparisons (positive where HR wins) over inner seeds
+    x checkpoints (:func:`workbench.diagnostics.paired_table`): ``{agent}_c1`` standard minus HR
+    inactive fraction, ``{agent}_c4`` standard minus HR saturated fraction (second half),
+    ``{agent}_erank_std`` and ``{agent}_erank_wide`` HR minus standard / wide erank (second half)."""
+    pairs = {}
+    for agent, results in other.items():
+        steps = checkpoints(results)
+        late = steps >= steps[-1] / 2
+        get = lambda k, m, cut=None: series(results, k, m)[:, cut if cut is not None else slice(None)]  # noqa: E731
+        pairs[f"{agent}_c1"] = (get("standard", "inactive"), get("hadamard", "inactive"))
+        pairs[f"{agent}_c4"] = (get("standard", "saturated", late), get("hadamard", "saturated", late))
+        pairs[f"{agent}_erank_std"] = (get("hadamard", "erank", late), get("standard", "erank", late))
+        pairs[f"{agent}_erank_wide"] = (get("hadamard", "erank", late), get("wide", "erank", late))
+    return dx.paired_table(pairs)
