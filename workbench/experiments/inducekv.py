@@ -199,16 +199,17 @@ class MultimodalBackbone:
         return MM.install(lm, p.eval(), self.features)
 
 
-def projector_state(model: str, scale: str, sizes: dict, seed: int = 0) -> dict:
+def projector_state(model: str, scale: str, sizes: dict, seed: int = 0, device="cpu") -> dict:
     """The ClipCap projector trained on captions (CLIP's training digits and seen shapes, every
     caption template) with the LM and CLIP frozen; cached by its settings. Part of the frozen
-    multimodal backbone, so one build (seed 0) serves every seed of the notebook."""
+    multimodal backbone, so one build (seed 0) serves every seed of the notebook; trained on
+    ``device`` (not in the key), kept on the host."""
     spec = {"base": model, "scale": scale, "seed": seed, "k": sizes["vqa_k"],
             "steps": sizes["proj_steps"], "lr": sizes["proj_lr"], "batch": sizes["lora_batch"]}
 
     def build():
-        lm, tok = frozen_backbone(model, scale)
-        cm, _ = clip.load(scale)
+        lm, tok = frozen_backbone(model, scale, device)
+        cm, _ = clip.load(scale, str(device))
         x, _, caps = images.digits("train")
         xs, _, caps2 = images.shapes(images.classes("shapes", "seen"), 8, 0)
         with torch.no_grad():
@@ -222,7 +223,7 @@ def projector_state(model: str, scale: str, sizes: dict, seed: int = 0) -> dict:
                                [" " + c for c in caps + caps2])
         losses = finetune.train_steps(lm, pairs, sizes["proj_steps"], sizes["lora_batch"],
                                       sizes["proj_lr"], seed, tok.pad_token_id)
-        return {"state": {k: v.detach().clone() for k, v in proj.state_dict().items()},
+        return {"state": {k: v.detach().cpu().clone() for k, v in proj.state_dict().items()},
                 "losses": losses}
     return cached_states("projector", spec, build)
 
@@ -235,10 +236,10 @@ def multimodal_backbone(model: str, scale: str, items, sizes: dict, seed: int, d
     lm, tok = frozen_backbone(model, scale, device)
     mtok = MM.ImageTokenizer(tok, sizes["vqa_k"])
     data, x = vqa_data(mtok, items, sizes, seed)
-    cm, _ = clip.load(scale)
+    cm, _ = clip.load(scale, str(device))
     with torch.no_grad():
         feats = clip.image_features(cm, x)
-    proj = projector_state(model, scale, sizes)
+    proj = projector_state(model, scale, sizes, device=device)
     key = cache.key(lm.zoo_card["key"], str(clip.model_dir(scale).name), sizes["vqa_k"],
                     sizes["proj_steps"], sizes["proj_lr"], feats.sum().item(), len(feats))
     mm = MultimodalBackbone(feats, proj["state"], sizes["vqa_k"], key)
@@ -257,10 +258,10 @@ def prefix_check(lm, tok, data: dict, names: list[str]) -> dict:
         (ids, _), (ids_b, _) = packing.encode(tok, [a.prompt, b.prompt])
         k, V = tok.k, tok.vocab
         img_a, img_b = (ids[1] - V) // k, (ids_b[1] - V) // k
-        text = torch.tensor([ids[:1] + ids[1 + k:]])
+        text = _ids(lm, ids[:1] + ids[1 + k:])
         ref = lm(inputs_embeds=MM.prefix_embeds(lm, text, [img_a])).logits
-        got = lm(input_ids=torch.tensor([ids])).logits
-        swap = lm(input_ids=torch.tensor([ids[:1] + ids_b[1: 1 + k] + ids[1 + k:]])).logits
+        got = lm(input_ids=_ids(lm, ids)).logits
+        swap = lm(input_ids=_ids(lm, ids[:1] + ids_b[1: 1 + k] + ids[1 + k:])).logits
         diff = max(diff, float((ref - got).abs().max()))
         moved.append(float((swap - got)[0, -1].abs().max()) if img_a != img_b else 0.0)
     return {"max_logit_diff_vs_inputs_embeds": diff, "min_logit_move_other_image": min(moved)}

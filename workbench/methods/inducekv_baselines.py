@@ -117,8 +117,9 @@ class LoraMixture:
     def __init__(self, model, states: list[dict], scale: float = 2.0):
         facs = [expert_factors(s) for s in states]
         mods = dict(model.named_modules())
-        self.A = {n: torch.stack([f[n][0] for f in facs]) for n in facs[0]}   # (E, r, in)
-        self.B = {n: torch.stack([f[n][1] for f in facs]) for n in facs[0]}   # (E, out, r)
+        at = {n: mods[n].weight.device for n in facs[0]}      # each projection's device
+        self.A = {n: torch.stack([f[n][0] for f in facs]).to(at[n]) for n in facs[0]}  # (E, r, in)
+        self.B = {n: torch.stack([f[n][1] for f in facs]).to(at[n]) for n in facs[0]}  # (E, out, r)
         self.scale, self.weights, self.n = scale, None, len(states)
         self.handles = [mods[n].register_forward_hook(self._hook(n)) for n in self.A]
 
@@ -153,7 +154,7 @@ class Gate(nn.Module):
     def forward(self, q: torch.Tensor, live: list[int] | None = None) -> torch.Tensor:
         z = q @ self.W.T + self.b
         if live is not None:
-            off = torch.ones(z.shape[1], dtype=torch.bool)
+            off = torch.ones(z.shape[1], dtype=torch.bool, device=z.device)
             off[live] = False
             z = z.masked_fill(off, float("-inf"))
         return torch.softmax(z, -1)
@@ -172,8 +173,8 @@ def train_gate(model, mix: LoraMixture, gate: Gate, pairs, q: torch.Tensor, live
     losses = []
     for _ in range(steps):
         idx = torch.randint(0, len(pairs), (batch,), generator=g)
-        b = packing.pad([pairs[i] for i in idx], pad_id)
-        mix.weights = gate(q[idx], live)
+        b = {k: v.to(model.device) for k, v in packing.pad([pairs[i] for i in idx], pad_id).items()}
+        mix.weights = gate(q[idx.to(q.device)], live)
         loss = model(**b).loss
         opt.zero_grad()
         loss.backward()
@@ -190,8 +191,9 @@ def gated_scores(model, mix: LoraMixture, weights: torch.Tensor, tok, examples,
                            [e.completion(with_steps) for e in examples])
     logp, exact = np.zeros(len(examples)), np.zeros(len(examples))
     for s in range(0, len(examples), batch):
-        b = packing.pad(pairs[s: s + batch], tok.pad_token_id)
-        mix.weights = weights[s: s + batch]
+        b = {k: v.to(model.device) for k, v in packing.pad(pairs[s: s + batch],
+                                                            tok.pad_token_id).items()}
+        mix.weights = weights[s: s + batch].to(model.device)
         logp[s: s + batch], exact[s: s + batch] = K.score_logits(model(**b).logits, b["labels"])
     return logp, exact
 
