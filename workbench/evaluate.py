@@ -157,17 +157,25 @@ def unigram_perplexity(train_ids, heldout_ids, vocab: int) -> float:
 
 
 def generate(model, tok, prompts: list[str], max_new_tokens: int = 16,
-             batch: int = 64) -> list[str]:
-    """Greedy completions of ``prompts`` (each prefixed by ``<bos>``), cut at ``<eos>``."""
+             batch: int = 64, k: int = 1, temperature: float | None = None,
+             seed: int = 0) -> list[str]:
+    """Greedy completions of ``prompts`` (each prefixed by ``<bos>``), cut at ``<eos>``; with a
+    ``temperature``, ``k`` samples of each (top-k and top-p off, torch seeded with ``seed``),
+    the ``k`` of a prompt next to each other."""
     device = next(model.parameters()).device
     tok.padding_side = "left"
+    sampling = {} if temperature is None else dict(
+        do_sample=True, temperature=temperature, top_k=0, top_p=1.0, num_return_sequences=k)
+    if sampling:
+        torch.manual_seed(seed)
     outs = []
     with torch.no_grad():
         for i in range(0, len(prompts), batch):
             chunk = [tok.bos_token + p for p in prompts[i: i + batch]]
             enc = tok(chunk, return_tensors="pt", padding=True, add_special_tokens=False)
-            enc = {k: v.to(device) for k, v in enc.items()}
-            gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+            enc = {n: v.to(device) for n, v in enc.items()}
+            gen = model.generate(**enc, max_new_tokens=max_new_tokens,
+                                 **(sampling or {"do_sample": False}),
                                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
             new = gen[:, enc["input_ids"].shape[1]:]
             outs += tok.batch_decode(new, skip_special_tokens=True)

@@ -299,22 +299,10 @@ def grpo_baseline(name: str, scale: str, problems, s: GRPOSettings, recipe=None,
 def sample(model, tok, prompts: list[str], k: int, max_new_tokens: int, temperature: float = 1.0,
            seed: int = 0, batch: int = 64) -> list[list[str]]:
     """``k`` completions of every prompt sampled at ``temperature`` (top-k and top-p off), each
-    prompt prefixed by ``<bos>`` and cut at ``<eos>`` as :func:`workbench.evaluate.generate`."""
-    device = next(model.parameters()).device
-    tok.padding_side = "left"
-    torch.manual_seed(seed)
-    outs = []
-    with torch.no_grad():
-        for i in range(0, len(prompts), batch):
-            enc = tok([tok.bos_token + p for p in prompts[i: i + batch]], return_tensors="pt",
-                      padding=True, add_special_tokens=False).to(device)
-            gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=True,
-                                 temperature=temperature, top_k=0, top_p=1.0,
-                                 num_return_sequences=k, pad_token_id=tok.pad_token_id,
-                                 eos_token_id=tok.eos_token_id)
-            new = tok.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-            outs += [new[j: j + k] for j in range(0, len(new), k)]
-    return outs
+    prompt prefixed by ``<bos>`` and cut at ``<eos>`` (:func:`workbench.evaluate.generate`)."""
+    flat = generate(model, tok, prompts, max_new_tokens, batch, k=k,
+                    temperature=temperature, seed=seed)
+    return [flat[j: j + k] for j in range(0, len(flat), k)]
 
 
 def shortest_traces(problems, samples: list[list[str]], tok) -> tuple[list[str], list[str]]:
