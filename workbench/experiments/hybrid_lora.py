@@ -278,7 +278,7 @@ class Runs:
 
     def key(self, method: str, s: GRPOSettings) -> list:
         """The cache key's parts: the base model's recipe key and everything the run reads."""
-        return ["v1", zoo.recipe(self.base).key(self.zoo_scale), self.base, self.zoo_scale,
+        return ["v1", zoo.key(self.base, self.zoo_scale), self.base, self.zoo_scale,
                 self.family, self.difficulty, method, self.ranks[method],
                 self.full.get(method, ()), asdict(s), len(self.held)]
 

@@ -52,22 +52,28 @@ REQUIREMENTS = {
                         "post_attention_layernorm (Llama, Qwen2, Mistral; not GPT-2 or Phi-3)",
                 "linears": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                             "down_proj"), "layers": True},
+    "lora": {"text": "projections peft's LoRA can wrap (q/k/v/o, gate/up/down, or GPT-2's "
+                     "c_attn/c_proj/c_fc)", "linears": (),
+             "any_of": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                        "down_proj", "c_attn", "c_proj", "c_fc")},
+    "haps": {"text": "an architecture whose projections HAPS adapts (methods.haps.ARCH_TARGETS: "
+                     "Llama, Qwen2, GPT-2)", "linears": (), "model_types": ("llama", "qwen2", "gpt2")},
     "clip": {"text": "a CLIPModel", "linears": ()},
 }
 
 # each notebook's model parameters: name -> (kind: lm | clip, requirement, working copies of the
 # weights it holds at once, for the memory estimate)
 NOTEBOOK_NEEDS = {
-    "01-inducekv": {"model": ("lm", "qkvo", 3)},
+    "01-inducekv": {"model": ("lm", "lora", 3)},
     "02-lqzo": {"model": ("lm", "decoder", 3)},
     "03-hdca": {"clip_model": ("clip", "clip", 2)},
     "04-hybrid-lora": {"model": ("lm", "qkvo", 4)},
-    "05-lora-bottleneck-rank": {"model": ("lm", "qkvo", 3)},
-    "06-hint-tuning": {"instruct_model": ("lm", "lm", 1), "reasoning_model": ("lm", "qkvo", 3)},
-    "07-hilora": {"model": ("lm", "qkvo", 3)},
+    "05-lora-bottleneck-rank": {"model": ("lm", "decoder", 3)},
+    "06-hint-tuning": {"instruct_model": ("lm", "lm", 1), "reasoning_model": ("lm", "lora", 3)},
+    "07-hilora": {"model": ("lm", "lora", 3)},
     "10-hestia": {"model": ("lm", "decoder", 3)},
-    "11-haps": {"candidate_models": ("lm", "qkvo", 2)},
-    "13-frechet-merging": {"model": ("lm", "qkvo", 3)},
+    "11-haps": {"candidate_models": ("lm", "haps", 2)},
+    "13-frechet-merging": {"model": ("lm", "lora", 3)},
     "14-gsq": {"model": ("lm", "decoder", 3)},
     "15-fewshot-clip-optimizers": {"clip_model": ("clip", "clip", 2)},
     "16-fura": {"model": ("lm", "qkvo", 8)},
@@ -213,8 +219,12 @@ def _missing(model, need: str) -> list[str]:
     """What ``model`` lacks of requirement ``need`` (empty when it has it)."""
     import torch.nn as nn
     req = REQUIREMENTS[need]
-    if not req["linears"]:
-        return []
+    if "model_types" in req and model.config.model_type not in req["model_types"]:
+        return [f"model_type {model.config.model_type!r} in {req['model_types']}"]
+    if "any_of" in req:
+        names = {n.split(".")[-1] for n, m in model.named_modules()
+                 if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"}
+        return [] if names & set(req["any_of"]) else [" or ".join(req["any_of"])]
     linears = {n.split(".")[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     missing = [x for x in req["linears"] if x not in linears]
     if req.get("layers") and not hasattr(getattr(model, "model", None), "layers"):
