@@ -65,6 +65,11 @@ def test_a_zoo_name_and_a_good_checkpoint_pass(llama_dir):
     assert checkpoint.validate_params("16-fura", {"model": str(llama_dir)}) == []
 
 
+def test_a_relative_checkpoint_path_reaches_the_kernel_absolute(llama_dir, monkeypatch):
+    monkeypatch.chdir(llama_dir.parent)
+    assert runner("14-gsq", model="./my-llama") == {"model": [str(llama_dir.resolve())]}
+
+
 def test_a_path_that_does_not_exist_is_refused(tmp_path):
     with pytest.raises(batch.ParameterError, match=r"14-gsq: model = .*no such directory"):
         runner("14-gsq", model=tmp_path / "nowhere")

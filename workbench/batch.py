@@ -207,6 +207,7 @@ def validate_params(info: NotebookInfo, raw: dict[str, list[str]], seeds=(),
             out.append(value)
         typed[name] = out
     for name, values in typed.items():        # a checkpoint a notebook cannot use: refused now
+        values[:] = [checkpoint.absolute(info.slug, name, v) for v in values]
         for value in values:
             try:
                 for w in checkpoint.validate_params(info.slug, {name: value}):

@@ -28,9 +28,9 @@ from pathlib import Path
 
 from .. import cache
 
-__all__ = ["CheckpointError", "REQUIREMENTS", "NOTEBOOK_NEEDS", "is_checkpoint", "label",
-           "RENAMED", "content_hash", "card", "pad_warning", "validate", "validate_params", "estimate",
-           "device_bytes"]
+__all__ = ["CheckpointError", "REQUIREMENTS", "NOTEBOOK_NEEDS", "RENAMED", "is_checkpoint",
+           "label", "content_hash", "card", "pad_warning", "validate", "validate_params",
+           "absolute", "estimate", "device_bytes"]
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
@@ -57,7 +57,8 @@ REQUIREMENTS = {
              "any_of": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                         "down_proj", "c_attn", "c_proj", "c_fc")},
     "haps": {"text": "an architecture whose projections HAPS adapts (methods.haps.ARCH_TARGETS: "
-                     "Llama, Qwen2, GPT-2)", "linears": (), "model_types": ("llama", "qwen2", "gpt2")},
+                     "Llama, Qwen2, GPT-2)", "linears": (),
+             "model_types": ("llama", "qwen2", "gpt2")},
     "clip": {"text": "a CLIPModel", "linears": ()},
 }
 
@@ -269,9 +270,9 @@ def validate(value, param: str = "model", kind: str = "lm", need: str = "lm",
         from .recipes import RECIPES
         known = sorted(RECIPES) if kind == "lm" else ["clip-mini"]
         if str(value) not in known:
-            raise CheckpointError(f"{at}{param} = {value!r} is neither a zoo model ({', '.join(known)}) "
-                                  "nor a directory; give a zoo name or a checkpoint path "
-                                  "(./my-model, /abs/path)")
+            raise CheckpointError(f"{at}{param} = {value!r} is neither a zoo model "
+                                  f"({', '.join(known)}) nor a directory; give a zoo name or a "
+                                  "checkpoint path (./my-model, /abs/path)")
         return []
     d = _dir(value)
     if not d.exists():
@@ -326,14 +327,26 @@ def validate(value, param: str = "model", kind: str = "lm", need: str = "lm",
     return warnings
 
 
+def _split(value) -> list:
+    """11's comma-separated list, or the one value."""
+    if isinstance(value, str) and "," in value:
+        return [v.strip() for v in value.split(",") if v.strip()]
+    return [value]
+
+
+def absolute(slug: str, name: str, value):
+    """``value`` with every checkpoint path in it made absolute (a kernel runs in its run folder,
+    not where the user typed the path); other values as they are."""
+    if name not in NOTEBOOK_NEEDS.get(slug, {}) or not isinstance(value, str):
+        return value
+    return ",".join(str(_dir(v)) if is_checkpoint(v) else v for v in _split(value))
+
+
 def validate_params(slug: str, params: dict, device: str | None = None) -> list[str]:
     """:func:`validate` every model parameter of notebook ``slug`` in ``params`` (a
     comma-separated list for 11's ``candidate_models``); the warnings."""
     warnings = []
     for name, (kind, need, copies) in NOTEBOOK_NEEDS.get(slug, {}).items():
-        value = params.get(name)
-        values = [v.strip() for v in value.split(",") if v.strip()] \
-            if isinstance(value, str) and "," in value else [value]
-        for v in values:
+        for v in _split(params.get(name)):
             warnings += validate(v, name, kind, need, copies, device, where=slug)
     return warnings
