@@ -233,7 +233,10 @@ def test_cached_fine_tunes_key_on_the_checkpoint(llama_dir, tmp_path, monkeypatc
 @pytest.fixture(scope="module")
 def own_models(tmp_path_factory):
     """Llama, Qwen2 and GPT-2 zoo models re-saved outside the cache, and a random Mistral (an
-    architecture the zoo never builds) with lm-base's tokenizer."""
+    architecture the zoo never builds) with lm-base's tokenizer and widths. Four key-value heads,
+    as many as query heads: with two, k_proj and v_proj have 64 output rows, and 14's GPTVQ
+    frontier finds no codebook block of 64 rows within its 3.125 bits per weight (a real model's
+    projections have hundreds of rows)."""
     root = tmp_path_factory.mktemp("own")
     out = {n: zoo.export(f"lm-{n}" if n != "llama" else "lm-base", root / n)
            for n in ("llama", "qwen2", "gpt2")}
@@ -243,7 +246,8 @@ def own_models(tmp_path_factory):
     mistral = MistralForCausalLM(MistralConfig(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=2, max_position_embeddings=c.max_position_embeddings,
+        num_key_value_heads=c.num_attention_heads,
+        max_position_embeddings=c.max_position_embeddings,
         sliding_window=None, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id))
     out["mistral"] = _save(mistral, tok, root / "mistral")
