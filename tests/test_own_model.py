@@ -212,6 +212,10 @@ def test_a_re_saved_zoo_model_loads_as_the_zoo_one(tmp_path):
     assert b.zoo_card["zoo_key"] == a.zoo_card["key"]
 
 
+def test_ensure_finds_a_checkpoint_built(llama_dir):
+    assert zoo.ensure(str(llama_dir)) == (llama_dir.resolve(), False)
+
+
 def test_a_checkpoint_without_a_card_gets_a_minimal_one(llama_dir):
     m, _ = zoo.load(str(llama_dir))
     card = m.zoo_card

@@ -114,7 +114,10 @@ def load(name: str, scale: str = "smoke", recipe: Recipe | None = None, device: 
 
 def ensure(name: str, scale: str = "smoke", given: Recipe | None = None,
            force: bool = False) -> tuple[Path, bool]:
-    """Make sure the model is built (:func:`cache.build`); return ``(path, built_now)``."""
+    """Make sure the model is built (:func:`cache.build`); return ``(path, built_now)`` (a
+    checkpoint directory is there already: its path, False)."""
+    if given is None and checkpoint.is_checkpoint(name):
+        return Path(name).expanduser().resolve(), False
     r = recipe(name, given)
     return cache.build(model_dir(name, scale, r),
                        lambda tmp: train_and_save(r, scale, tmp, load=load),
