@@ -301,7 +301,7 @@ def pixels(model, x):
     """``x`` ((N, 3, H, W) in [0, 1]) as ``model``'s vision tower takes it: resized
     (bilinear) to its ``image_size`` and normalised by ``model.pixel_norm`` when it has one (a
     local CLIP); the mini-CLIP's images pass unchanged."""
-    size = model.config.vision_config.image_size
+    size = getattr(model.config, "vision_config", model.config).image_size   # or a vision tower
     if x.shape[-1] != size or x.shape[-2] != size:
         x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
     norm = getattr(model, "pixel_norm", None)
