@@ -183,6 +183,16 @@ def test_a_local_clip_loads_and_sees_the_workbench_images(tmp_path):
         runner("03-hdca", clip_model=d)
 
 
+def test_a_mistral_goes_through_gguf_as_the_llama_it_is(tmp_path, micro_tok):
+    from workbench import evaluate
+    from workbench.quant import gguf
+    m, tok = zoo.load(str(tiny("mistral", tmp_path / "mistral", micro_tok)))
+    gguf.export_model_gguf(m, tmp_path / "mistral.gguf", qtype="F32", tokenizer=tok)
+    back, _ = gguf.load_transformers(tmp_path / "mistral.gguf")
+    x = torch.randint(3, len(tok), (2, 16))
+    assert evaluate.perplexity(back, x) == pytest.approx(evaluate.perplexity(m, x), rel=1e-6)
+
+
 # -- hashing, keys, loading -------------------------------------------------------------------
 
 def test_the_content_hash_keys_derived_caches_and_follows_the_weights(llama_dir, tmp_path):
