@@ -276,7 +276,7 @@ def run_notebook(slug, model, out, strict=True, monkeypatch=None):
     if not strict:
         monkeypatch.setenv("WORKBENCH_STRICT", "0")    # a random model's claims may not hold
     return cli.main(["run", slug, "-p", "model", str(model), "--out", str(out), "--jobs", "1",
-                     "--timeout", "900"])
+                     "--timeout", "3600"])   # a new model builds its fine-tunes and pool
 
 
 @pytest.mark.slow
