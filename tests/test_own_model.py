@@ -226,6 +226,14 @@ def test_ensure_finds_a_checkpoint_built(llama_dir):
     assert zoo.ensure(str(llama_dir)) == (llama_dir.resolve(), False)
 
 
+def test_a_re_saved_qwen2_keeps_the_tokenizer_it_was_trained_with(tmp_path):
+    from workbench.quant import gguf
+    d = zoo.export("lm-qwen2", tmp_path / "qwen2")
+    a, b = zoo.load("lm-qwen2")[1], zoo.load(str(d))[1]
+    assert a.backend_tokenizer.to_str() == b.backend_tokenizer.to_str()
+    assert gguf.tokenizer_pre(b) == "refact"          # what 14's GGUF files need
+
+
 def test_a_checkpoint_without_a_card_gets_a_minimal_one(llama_dir):
     m, _ = zoo.load(str(llama_dir))
     card = m.zoo_card

@@ -79,6 +79,18 @@ def export(name: str, dest, scale: str = "smoke") -> Path:
     return dest
 
 
+def _tokenizer(d: Path):
+    """The checkpoint's tokenizer: ``AutoTokenizer``, except that a plain ``tokenizer.json``
+    saved as such (class ``PreTrainedTokenizerFast`` / ``TokenizersBackend``, as the zoo's) is
+    read as it is: ``AutoTokenizer`` would otherwise pick the class of the model type (a Qwen2
+    checkpoint gets Qwen2's own pre-tokenizer in place of the one the model was trained with)."""
+    cfg = d / "tokenizer_config.json"
+    cls = json.loads(cfg.read_text()).get("tokenizer_class") if cfg.exists() else None
+    if cls in ("PreTrainedTokenizerFast", "TokenizersBackend") and (d / "tokenizer.json").exists():
+        return PreTrainedTokenizerFast.from_pretrained(d, local_files_only=True)
+    return AutoTokenizer.from_pretrained(d, local_files_only=True)
+
+
 def _load_checkpoint(path, device: str):
     """``(model, tokenizer)`` from a local checkpoint directory (float32, eval, left padding;
     pad = eos with a warning when the tokenizer has none)."""
@@ -86,7 +98,7 @@ def _load_checkpoint(path, device: str):
     checkpoint.validate(d)
     model = AutoModelForCausalLM.from_pretrained(d, dtype="float32", local_files_only=True)
     model = model.to(device).eval()
-    tok = AutoTokenizer.from_pretrained(d, local_files_only=True)
+    tok = _tokenizer(d)
     tok.padding_side = "left"
     if tok.pad_token is None:
         warnings.warn(checkpoint.pad_warning(d), stacklevel=3)
