@@ -11,7 +11,7 @@ PYTEST := $(PY) -m pytest -p no:cacheprovider
 # two workers, one per core; --dist loadfile keeps each notebook's cells in one kernel, in order
 XDIST := -n 2 --dist loadfile
 
-.PHONY: run test test-fast zoo lab list new clean-notebooks clean
+.PHONY: run test test-fast zoo chromium lab list new clean-notebooks clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ test: zoo  ## unit tests, batch tests, and every notebook under nbval with stric
 
 test-fast: $(STAMP)  ## unit tests only: no notebooks, nothing marked slow (under a minute)
 	$(PYTEST) $(XDIST) tests -m "not slow"
+
+# tests/test_browser.py drives JupyterLab in this Chromium; without it that one test is skipped
+chromium: $(STAMP)  ## Playwright and a headless Chromium (npm registry) for the explorers' browser test
+	$(PY) -m pip install --quiet playwright
+	.ci/chromium $(VENV)/chromium
 
 lab: $(STAMP)  ## JupyterLab on notebooks/ with this environment's kernel
 	$(VENV)/bin/jupyter lab notebooks/

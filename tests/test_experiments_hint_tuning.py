@@ -123,3 +123,19 @@ def test_hint_ladder_follows_each_probe_and_agrees_with_its_state():
         elif p.state == ht.SPARSE_HINT:
             assert first == p.k
     assert lad[lad.n_steps == 3].reached.tolist() == [False, False, True, True]
+
+
+def test_distillation_set_keeps_the_shortest_correct_sample_and_grpo_rewards_it_most():
+    from workbench.models import zoo
+    model, tok = zoo.load("lm-micro")
+    e = tasks.generate("add", 1, seed=0, difficulty=2)[0]
+    wrong = e.completion(True).replace(e.target, e.target + "1")
+    long_ = e.completion(True) + "\nmore"                       # only the first line counts
+    short = " " + e.target
+    prompts, targets = X.shortest_traces([e, e], [[wrong, long_, short], [wrong]], tok)
+    assert prompts == [e.prompt] and targets == [short]
+    reward = X.length_reward([e], tok, alpha=0.2)
+    r = reward([e.prompt] * 3, [wrong, long_, short], idx=[0, 0, 0])
+    assert r[0] == 0.0 and r[2] > r[1] >= 0.8
+    outs = X.sample(model, tok, [e.prompt, e.prompt + " "], k=3, max_new_tokens=4, seed=1)
+    assert [len(o) for o in outs] == [3, 3] and all(isinstance(c, str) for o in outs for c in o)

@@ -1,7 +1,8 @@
 """Paper 04's harness (workbench.experiments.hybrid_lora): the bed's splits, C3's Eckart-Young
-check, the rank matched to Hybrid-LoRA's trainable count, the cached run, the cost table and the
-explorer over the score's rank r."""
-import json
+check, the rank matched to Hybrid-LoRA's trainable count, the learning-rate sweep of the runs
+(cached, selected on validation), the tables and intervals at the selected rates, the cost table
+and the explorer over the score's rank r."""
+from dataclasses import replace
 
 import matplotlib.pyplot as plt
 import pandas as pd
@@ -23,6 +24,16 @@ def test_probe_batches_are_disjoint_train_problems_and_held_out_is_unseen():
         [e.prompt for e in bed["probe_a"]]                         # seeded
 
 
+def test_validation_and_test_splits_are_disjoint_held_out_problems():
+    bed = X.problems("count", 5, n_eval=256, probe=4, seed=0, n_val=128)
+    val, test = [[e.prompt for e in bed[k]] for k in ("val", "held")]
+    assert len(val) == 128 and len(test) == 256 and not set(val) & set(test)
+    assert val + test == [e.prompt for e in bed["held_all"][:384]]
+    assert not set(val + test) & {e.prompt for e in bed["train"]}
+    with pytest.raises(ValueError, match="held-out problems"):
+        X.problems("count", 5, n_eval=10_000, probe=4, seed=0, n_val=128)
+
+
 def test_eckart_young_check_accepts_the_score_and_rejects_anything_else():
     g = torch.Generator().manual_seed(0)
     grads = {f"m{i}": torch.randn(12, 9, generator=g) for i in range(4)}
@@ -42,22 +53,56 @@ def test_matched_rank_counts_full_modules_and_lora_factors():
     assert hybrid == 300 + 4 * 30 and r == max(4, round(420 / 70))
 
 
-def test_cached_run_builds_once(tmp_path, monkeypatch):
+def _runs(**kw):
+    return X.Runs("lm-tiny", "smoke", "cpu", None, "count", 5, [], [], [], X.GRPOSettings(steps=4),
+                  {m: 8 for m in H.METHODS}, {"hybrid": ["a"], "random": ["b"]}, 2.0, **kw)
+
+
+def test_runs_put_adapters_at_the_ratio_of_the_dense_rate():
+    s = _runs(adapter_ratio=10.0).at(3e-4)
+    assert s.lr == 3e-4 and s.lr_adapter == pytest.approx(3e-3) and s.steps == 4
+
+
+def test_runs_sweep_trains_each_method_and_rate_once_and_selects_on_validation(tmp_path, monkeypatch):
     monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))
     calls = []
 
-    def build(out):
-        calls.append(out)
-        return {"heldout": {"0": 0.5}, "train_seconds": 1.0}
+    def result(self, method, lr):
+        calls.append((method, lr))
+        val = {1e-4: 0.3, 3e-4: 0.5 if method == "full" else 0.1}[lr]
+        return {"val": val, "test": 1 - val, "items": {"test": [1 - val]}, "trainable": 1}
 
-    first = X.cached_run("t", ["k", 1], build)
-    again = X.cached_run("t", ["k", 1], build)
-    other = X.cached_run("t", ["k", 2], build)
-    assert len(calls) == 2 and not first["cached"] and again["cached"] and not other["cached"]
-    assert first["heldout"] == again["heldout"] == {"0": 0.5}
-    (entry,) = [p for p in (tmp_path / "t").iterdir() if p.name.endswith(
-        __import__("workbench.cache", fromlist=["key"]).key("k", 1))]
-    assert json.loads((entry / "record.json").read_text())["train_seconds"] == 1.0
+    monkeypatch.setattr(X.Runs, "result", result)
+    runs = _runs()
+    sw = runs.sweep(["full", "lora"], [3e-4, 1e-4])
+    assert sorted(calls) == sorted((m, v) for m in ("full", "lora") for v in (1e-4, 3e-4))
+    again = runs.sweep(["full", "lora"], [1e-4, 3e-4])
+    assert len(calls) == 4 and again.table.equals(sw.table)          # cached
+    best = X.selected(sw)
+    assert best["full"]["lr"] == 3e-4 and best["lora"]["lr"] == 1e-4  # on val, never on test
+    _runs(adapter_ratio=3.0).sweep(["full"], [1e-4])
+    assert len(calls) == 5                                           # the ratio is in the key
+    moved = _runs()
+    moved.settings = replace(moved.settings, lr=1.0, lr_adapter=2.0)
+    assert moved.key() == runs.key()                                 # the rate is the sweep's
+
+
+def test_final_table_and_paired_intervals_at_the_selected_rates():
+    best = {"full": {"lr": 1e-4, "val": 0.6, "test": 0.7, "trainable": 9,
+                     "items": {"test": [1.0] * 70 + [0.0] * 30}},
+            "lora": {"lr": 3e-4, "val": 0.4, "test": 0.4, "trainable": 3,
+                     "items": {"test": [1.0] * 40 + [0.0] * 60}}}
+    final = X.final_table(best, start=0.5)
+    assert list(final.index) == ["full", "lora"]
+    assert final.loc["full", "gain"] == pytest.approx(0.2) and final.loc["lora", "lr"] == 3e-4
+    c = X.paired(best, "full", ["lora"])
+    assert c.loc["lora", "diff"] == pytest.approx(0.3) and 0 < c.loc["lora", "low"] < 0.3 < c.loc["lora", "high"]
+    assert c.loc["lora", "n_items"] == 100
+
+
+def test_reward_curves_are_moving_means_of_the_rollout_reward():
+    rc = X.reward_curves({"full": {"reward": [0.0, 1.0, 1.0, 0.0]}}, window=2)
+    assert list(rc.index) == [1, 2, 3, 4] and list(rc["full"]) == [0.0, 0.5, 1.0, 0.5]
 
 
 def test_cost_table_is_relative_to_full_ft():
@@ -68,17 +113,6 @@ def test_cost_table_is_relative_to_full_ft():
     assert cost.loc["hybrid", "bytes_per_trained_weight"] == 8
     assert cost.loc["full", "step_ms"] == pytest.approx(2000) and \
         cost.loc["hybrid", "step_ms / full"] == pytest.approx(0.5)
-
-
-def test_final_table_takes_the_last_step_and_the_gain_over_step_zero():
-    recs = {("full", 0): {"heldout": {0: 0.2, 10: 0.6}, "trainable": 9},
-            ("full", 1): {"heldout": {0: 0.2, 10: 0.4}, "trainable": 9},
-            ("lora", 0): {"heldout": {0: 0.2, 10: 0.3}, "trainable": 3},
-            ("lora", 1): {"heldout": {0: 0.2, 10: 0.3}, "trainable": 3}}
-    final = X.final_table(X.curves(recs), recs, ("full", "lora"), seed=0)
-    assert list(final.index) == ["full", "lora"]
-    assert final.loc["full", "mean"] == pytest.approx(0.5) and final.loc["full", "gain"] == pytest.approx(0.3)
-    assert final.loc["lora", "trainable"] == 3 and isinstance(final, pd.DataFrame)
 
 
 def _grads(seed=0, layers=2):
@@ -124,3 +158,13 @@ def test_rank_figure_boxes_the_selection_and_marks_the_trained_one():
     assert len(fig.axes[1].get_lines()) == len(ca) + 1          # a curve per module, the r line
     assert "r = 2" in fig.axes[1].get_title()
     plt.close(fig)
+
+
+def test_grid_metrics_name_every_method_and_rate_in_grid_order():
+    from workbench import sweep
+    sw = sweep.sweep(lambda m, v: {"val": v * (2 if m == "a" else 1), "test": -v}, ["a", "b"],
+                     [3e-4, 1e-4], "val")
+    g = X.grid_metrics(sw)
+    assert g["grid_lr_0"] == 1e-4 and g["grid_lr_1"] == 3e-4
+    assert g["grid_val_a_1"] == pytest.approx(6e-4) and g["grid_test_b_0"] == pytest.approx(-1e-4)
+    assert len(g) == 2 + 2 * 2 * 2

@@ -15,7 +15,8 @@ and the training loop) is :mod:`workbench.methods.haps`. Here is what the notebo
 - :func:`generated_lora_check`: C1, the generated factors against the adapted projections' shapes
   and against ``peft`` with the same A, B;
 - :class:`StaticRouter`, :func:`train_static_router`, :func:`routing_scores`: the baselines of C2
-  (random, single best, architecture-only routing, the oracles) beside HAPS and its ablations;
+  (random, single best, architecture-only routing, RouteLLM's matrix-factorization router
+  (:mod:`workbench.methods.mf_router`, :data:`MF`), the oracles) beside HAPS and its ablations;
 - :func:`latency`: C5, what routing and generating the LoRA cost against answering alone;
 - :func:`two_level_table`: the explorer's table, each level of the hierarchy (which candidate,
   which parameters) switched independently, over the scores already computed.
@@ -39,7 +40,7 @@ from ..models import zoo
 
 __all__ = ["GROUP", "router_states", "cached_ref_haps", "benchmark", "encode", "max_new_tokens", "teacher_forced", "static_scores",
            "bench_table", "adapted_completions", "cached_haps", "generated_lora_check",
-           "StaticRouter", "train_static_router", "routing_scores", "n_params", "best_of",
+           "StaticRouter", "train_static_router", "MF", "routing_scores", "n_params", "best_of",
            "latency", "summary", "two_level_table"]
 
 GROUP = "haps"          # this notebook's folder under the cache
@@ -299,16 +300,20 @@ def train_static_router(x, labels, n: int, d_h: int, steps: int, lr: float, seed
 
 
 def routing_scores(static_test: np.ndarray, static_train: np.ndarray, adapted: dict,
-                   arch_choice: np.ndarray, choice: dict, names: list[str]) -> dict:
+                   arch_choice: np.ndarray, choice: dict, names: list[str],
+                   static_routers: dict | None = None) -> dict:
     """Per-query test scores of every routing: random (expected), the single best candidate (by
-    training exact match), architecture-only routing, the static oracle, each HAPS variant (its
-    router's argmax answered with its generated LoRA), and the oracle over HAPS's adapted
-    candidates. ``adapted[v]``: (n_test, K) exact match of the candidates adapted by variant v."""
+    training exact match), architecture-only routing, any other router over the static
+    candidates (``static_routers``: name -> chosen candidate per query, such as RouteLLM's
+    matrix-factorization router), the static oracle, each HAPS variant (its router's argmax
+    answered with its generated LoRA), and the oracle over HAPS's adapted candidates.
+    ``adapted[v]``: (n_test, K) exact match of the candidates adapted by variant v."""
     rows = np.arange(len(static_test))
     single = int(static_train.mean(0).argmax())
     scores = {"random routing": static_test.mean(1),
               f"single best ({names[single]})": static_test[:, single],
               "architecture-only router": static_test[rows, arch_choice],
+              **{m: static_test[rows, ch] for m, ch in (static_routers or {}).items()},
               "oracle (static)": static_test.max(1)}
     for v in choice:
         scores[v] = adapted[v][rows, choice[v]]
@@ -361,7 +366,9 @@ def latency(haps, models: dict, toks: dict, queries: list, featurize, scale: flo
     return pd.DataFrame(cost).set_index("candidate")
 
 
-SHORT = {"random routing": "random", "architecture-only router": "arch_only",
+MF = "matrix-factorization router (RouteLLM)"     # the published router design of C2
+
+SHORT = {"random routing": "random", "architecture-only router": "arch_only", MF: "mf",
          "oracle (static)": "oracle_static", "HAPS": "haps", "HAPS, separate tops": "separate",
          "HAPS, supervised answers": "supervised", "ours (n-gram router, eq. 1)": "ours",
          "oracle (HAPS candidates)": "oracle_haps"}

@@ -13,8 +13,11 @@ What the notebook drives, in its order:
   :func:`c1_stats`);
 - C2: R fine-tuned on its self-annotated targets and on direct answers, each a cached ``peft``
   LoRA (:func:`hint_tune`), scored on held-out problems (:func:`measure`, :func:`summarize`);
-- C3: the baselines' accuracy-tokens frontier: budget forcing (:func:`truncated_generate`) and
-  the upper hull of the baseline points (:func:`frontier_at`);
+- C3: the baselines' accuracy-tokens frontier: budget forcing (:func:`truncated_generate`), the
+  two published baselines (:mod:`workbench.methods.hint_tuning_baselines`): GRPO through TRL on a
+  length-penalized correctness reward (:class:`GRPOSettings`, :func:`grpo_baseline`) and a LoRA
+  on the shortest correct of k samples (:func:`sample`, :func:`shortest_traces`,
+  :func:`distill_baseline`), and the upper hull of the baseline points (:func:`frontier_at`);
 - C4: a smaller reasoning model built from a recipe defined here
   (:func:`small_reasoning_recipe`) through the zoo, hint-tuned the same way (:func:`model_row`);
 - the explorer: the probe's hint ladder, problem by problem (:func:`hint_ladder`,
@@ -26,28 +29,37 @@ settings; the small model by the zoo, keyed by its recipe's hash.
 """
 from __future__ import annotations
 
+import json
 import random
-from dataclasses import replace
+import time
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import pandas as pd
+import torch
+from peft import LoraConfig, PeftModel
 
-from .. import plots
+from .. import cache, plots
 from ..data import tasks
 from ..data.tasks import ANSWER_MARK, STEP_SEP
 from ..diagnostics import spearman_ci
 from ..evaluate import generate
 from ..methods import hint_tuning as ht
+from ..methods import hint_tuning_baselines as hb
 from ..models import zoo
-from ..models.finetune import LoraSettings, cached_lora
+from ..models.finetune import TARGETS, LoraSettings, cached_lora
 
-__all__ = ["GROUP", "draw_problems", "relative_level", "reader_data", "hint_reader", "annotate",
+__all__ = ["GROUP", "GRPO", "DISTILL", "draw_problems", "relative_level", "reader_data",
+           "hint_reader", "annotate",
            "state_table", "c1_stats", "hint_tune", "evaluate", "measure", "accuracy_tokens",
            "summarize",
-           "passes_c2", "truncated_generate", "frontier_at", "small_reasoning_recipe",
+           "passes_c2", "truncated_generate", "GRPOSettings", "length_reward", "grpo_baseline",
+           "sample", "shortest_traces", "distill_baseline", "frontier_at", "small_reasoning_recipe",
            "small_reasoning", "model_row", "prose_metrics", "hint_ladder", "ladder_figure"]
 
 GROUP = "hint-tuning"      # this notebook's folder of cached fine-tunes under the cache
+GRPO = "GRPO + length penalty"              # C3's published baselines, as the tables name them
+DISTILL = "shortest-correct distillation"
 
 
 # -- the problems -----------------------------------------------------------------------------
@@ -209,6 +221,140 @@ def truncated_generate(model, tok, prompts: list[str], budget: int, answer_token
     return out
 
 
+@dataclass(frozen=True)
+class GRPOSettings:
+    """GRPO through TRL on :func:`~workbench.methods.hint_tuning_baselines.length_penalized_reward`
+    (a LoRA on R, as every fine-tune here). TRL's defaults otherwise: one policy update per
+    generation batch (so the clipped ratio is 1), no KL term (beta 0), rewards standardized in
+    each group, the ``"dapo"`` loss (token-level mean over the batch, no length bias of its own)."""
+    steps: int = 16              # optimizer steps, one generation batch each
+    prompts: int = 8             # distinct training problems per step
+    generations: int = 4         # sampled answers per problem (the group)
+    lr: float = 2e-3             # AdamW on the LoRA, TRL's linear decay
+    alpha: float = 0.2           # the length penalty's weight (Arora & Zanette's alpha)
+    temperature: float = 1.0     # sampling temperature (top-k and top-p off)
+    max_new_tokens: int = 48     # longest sampled answer
+    rank: int = 8                # LoRA rank (lora_alpha = scale * rank)
+    scale: float = 2.0
+    seed: int = 0                # LoRA init, problem order, sampling
+
+
+def length_reward(problems, tok, alpha: float):
+    """TRL's reward function: each completion's first line scored by its problem's verifier
+    (the dataset's ``idx`` column names the problem) and its tokens counted with ``tok``, then
+    Arora & Zanette's reward within each problem's group."""
+    def length_penalized(prompts, completions, idx, **_):
+        lines = [c.split("\n")[0] for c in completions]
+        correct = [tasks.score(problems[i], c) for i, c in zip(idx, lines)]
+        return hb.length_penalized_reward(correct, ht.count_tokens(tok, lines), idx, alpha).tolist()
+    return length_penalized
+
+
+def _grpo_train(name, scale, problems, s: GRPOSettings, recipe, device, out) -> list[dict]:
+    """One GRPO run (``trl.GRPOTrainer``) of a LoRA on R, the adapter saved in ``out``."""
+    from datasets import Dataset                           # heavy imports, on a fresh build only
+    from trl import GRPOConfig, GRPOTrainer
+    model, tok = zoo.load(name, scale, recipe=recipe, device=device)
+    present = {n.split(".")[-1] for n, _ in model.named_modules()}
+    data = Dataset.from_dict({"prompt": [tok.bos_token + e.prompt for e in problems],
+                              "idx": list(range(len(problems)))})
+    cfg = GRPOConfig(output_dir=str(out / "trl"), max_steps=s.steps, learning_rate=s.lr,
+                     per_device_train_batch_size=s.prompts * s.generations,
+                     num_generations=s.generations, max_completion_length=s.max_new_tokens,
+                     temperature=s.temperature, beta=0.0, seed=s.seed, logging_steps=1,
+                     report_to="none", save_strategy="no", disable_tqdm=True,
+                     use_cpu=str(device) == "cpu")
+    lora = LoraConfig(r=s.rank, lora_alpha=s.scale * s.rank, lora_dropout=0.0,
+                      target_modules=[t for t in TARGETS if t in present], task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(model=model, reward_funcs=length_reward(problems, tok, s.alpha),
+                          args=cfg, train_dataset=data, processing_class=tok, peft_config=lora)
+    trainer.train()
+    trainer.model.cpu().save_pretrained(out / "adapter")
+    return [{"step": h["step"], "reward": h["reward"], "tokens": h["completions/mean_length"]}
+            for h in trainer.state.log_history if "reward" in h]
+
+
+def grpo_baseline(name: str, scale: str, problems, s: GRPOSettings, recipe=None,
+                  device: str = "cpu"):
+    """R with the LoRA GRPO trained on ``problems`` (:func:`length_reward`), trained once and
+    cached under ``cache.folder("hint-tuning")`` keyed by R's recipe key, the problems and
+    ``s``. Returns ``(PeftModel, info)``, info with the training log (mean reward and sampled
+    tokens per step) and whether it was cached."""
+    r = zoo.recipe(name, recipe)
+    key = cache.key(r.key(scale), [e.prompt for e in problems], asdict(s))
+    path = cache.folder(GROUP) / f"grpo-{name}-{scale}-{key}"
+    cached = (path / "done.json").exists()
+
+    def build(tmp):
+        t0 = time.time()
+        log = _grpo_train(name, scale, problems, s, recipe, device, tmp)
+        return {"train_seconds": round(time.time() - t0, 2), "log": log, "settings": asdict(s)}
+
+    cache.build(path, build)
+    model, _ = zoo.load(name, scale, recipe=recipe, device=device)
+    model = PeftModel.from_pretrained(model, path / "adapter").eval()
+    return model, {**json.loads((path / "done.json").read_text()), "cached": cached}
+
+
+def sample(model, tok, prompts: list[str], k: int, max_new_tokens: int, temperature: float = 1.0,
+           seed: int = 0, batch: int = 64) -> list[list[str]]:
+    """``k`` completions of every prompt sampled at ``temperature`` (top-k and top-p off), each
+    prompt prefixed by ``<bos>`` and cut at ``<eos>`` as :func:`workbench.evaluate.generate`."""
+    device = next(model.parameters()).device
+    tok.padding_side = "left"
+    torch.manual_seed(seed)
+    outs = []
+    with torch.no_grad():
+        for i in range(0, len(prompts), batch):
+            enc = tok([tok.bos_token + p for p in prompts[i: i + batch]], return_tensors="pt",
+                      padding=True, add_special_tokens=False).to(device)
+            gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=True,
+                                 temperature=temperature, top_k=0, top_p=1.0,
+                                 num_return_sequences=k, pad_token_id=tok.pad_token_id,
+                                 eos_token_id=tok.eos_token_id)
+            new = tok.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            outs += [new[j: j + k] for j in range(0, len(new), k)]
+    return outs
+
+
+def shortest_traces(problems, samples: list[list[str]], tok) -> tuple[list[str], list[str]]:
+    """The distillation set: for every problem, the shortest of its samples that its verifier
+    accepts (:func:`~workbench.methods.hint_tuning_baselines.shortest_correct`), rendered in the
+    task format; problems with no correct sample are left out. ``(prompts, completions)``."""
+    prompts, targets = [], []
+    for e, ss in zip(problems, samples):
+        lines = [c.split("\n")[0] for c in ss]
+        i = hb.shortest_correct([tasks.score(e, c) for c in lines], ht.count_tokens(tok, lines))
+        if i is not None:
+            prompts.append(e.prompt)
+            targets.append(ht.render(*ht.split_reasoning(lines[i])))
+    return prompts, targets
+
+
+def distill_baseline(name: str, scale: str, model, tok, problems, k: int, settings: LoraSettings,
+                     max_new_tokens: int, recipe=None, device: str = "cpu"):
+    """R fine-tuned (a cached ``peft`` LoRA, the same settings as Hint Tuning's) on the shortest
+    correct of ``k`` samples of each training problem (:func:`shortest_traces`); the samples
+    are drawn once and cached. Returns ``(PeftModel, info)``, info with the share of problems
+    kept and the mean target length in tokens."""
+    r = zoo.recipe(name, recipe)
+    key = cache.key(r.key(scale), [e.prompt for e in problems], k, max_new_tokens, settings.seed)
+    path = cache.folder(GROUP) / f"samples-{name}-{scale}-{key}"
+
+    def build(tmp):
+        ss = sample(model, tok, [e.prompt for e in problems], k, max_new_tokens, seed=settings.seed)
+        (tmp / "samples.json").write_text(json.dumps(ss))
+        return {"k": k, "n": len(problems)}
+
+    cache.build(path, build)
+    prompts, targets = shortest_traces(problems, json.loads((path / "samples.json").read_text()),
+                                       tok)
+    tuned, _, info = cached_lora(name, scale, prompts, targets, settings, tag="distill",
+                                 group=GROUP, recipe=recipe, device=device)
+    return tuned, {**info, "kept": len(prompts) / len(problems),
+                   "target_tokens": float(np.mean(ht.count_tokens(tok, targets)))}
+
+
 def frontier_at(points: list[tuple[float, float]], x: float) -> float:
     """The best accuracy the baseline points ``(tokens, accuracy)`` reach at ``x`` tokens: the
     upper concave hull of the points, read at ``x`` (mixing two baselines at random reaches any
@@ -278,8 +424,8 @@ def prose_metrics(per_family: dict, share, ev: dict, points: pd.DataFrame, front
                   c4: pd.DataFrame) -> dict:
     """Scalars "What we saw" quotes: C1's Spearman per family and the share of each state; C2's
     token reduction and accuracy before and after per family; C3's frontier at Hint Tuning's
-    tokens and the direct-only and ``truncate@0`` points; C4's row of every model
-    (``c4_<model>_<column>``)."""
+    tokens and the direct-only, ``truncate@0``, GRPO and distillation points; C4's row of every
+    model (``c4_<model>_<column>``)."""
     out = {f"c1_spearman_{f}": v["rho"] for f, v in per_family.items()}
     out.update({f"c1_share_{ht.STATES[s].lower().replace('-', '_')}": float(share[s])
                 for s in range(3)})
@@ -292,6 +438,10 @@ def prose_metrics(per_family: dict, share, ev: dict, points: pd.DataFrame, front
                 "c3_tokens_direct": points.tokens["direct-only"]})
     if "truncate@0" in points.index:
         out["c3_acc_truncate0"] = points.accuracy["truncate@0"]
+    for name, short in ((GRPO, "grpo"), (DISTILL, "distill")):
+        if name in points.index:
+            out.update({f"c3_acc_{short}": points.accuracy[name],
+                        f"c3_tokens_{short}": points.tokens[name]})
     out.update({f"c4_{m.replace('-', '_')}_{k}": float(v) for m, row in c4.iterrows()
                 for k, v in row.items()})
     return out

@@ -4,22 +4,23 @@ The method (eq. 1-3: group advantages, the GRPO loss, the probe gradient, the Hy
 the module selection and the policies) is :mod:`workbench.methods.hybrid_lora`. Here is what the
 notebook drives around it:
 
-- :func:`problems`, :func:`base_rewards`: the bed, train and held-out problems of one family and
-  difficulty, two disjoint probe batches, and where the base policy starts;
+- :func:`problems`, :func:`base_rewards`: the bed, train, validation and test problems of one
+  family and difficulty, two disjoint probe batches, and where the base policy starts;
 - :func:`score_modules`, :func:`eckart_young_check`, :func:`score_grid`: the score (3) of every
   candidate on two probe batches, the selection, the random control, and the checks of C3;
 - :class:`GRPOSettings`, :func:`train_grpo`: one GRPO run in TRL's ``GRPOTrainer`` with the
-  held-out reward curve, the trainable count, the optimizer state and the step times;
-- :class:`Runs`, :func:`cached_run`: every method's runs, each trained once and cached
-  (:func:`workbench.cache.build`), and the tables of C1, C2, C4 and C5 (:func:`curves`,
-  :func:`final_table`, :func:`cost_table`);
+  greedy reward on the validation and test splits, the trainable count, the optimizer state and
+  the step times;
+- :class:`Runs`: every method on one grid of learning rates (:func:`workbench.sweep.sweep`, each
+  run cached), each selected on the validation split; :func:`selected`, :func:`final_table`,
+  :func:`paired` (the paired bootstrap intervals of C1, C2 and C4 on the test problems),
+  :func:`reward_curves` and :func:`cost_table` (C5);
 - :func:`energy_curves`, :func:`scores_at`, :func:`rank_sweep`, :func:`rank_figure`: the
   explorer over the rank r of the score (3): one SVD per probe gradient, then any r's scores,
   selection and agreement of the two probe batches are lookups.
 """
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
@@ -30,19 +31,20 @@ import torch
 from matplotlib.patches import Rectangle
 from datasets import Dataset
 from scipy.stats import spearmanr
-from transformers import TrainerCallback
+from transformers import PrinterCallback, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
-from .. import cache, evaluate, plots
+from .. import cache, diagnostics, evaluate, plots, sweep
 from ..data import tasks
 from ..methods import hybrid_lora as H
 from ..models import zoo
 
 __all__ = ["GRPOSettings", "problems", "base_rewards", "score_modules", "residual",
            "eckart_young_check", "score_grid", "param_groups", "optimizer_state_bytes",
-           "heldout_reward", "train_grpo", "cached_run", "matched_rank", "Runs", "curves",
-           "final_table", "cost_table", "summary", "layer_of", "energy_curves", "scores_at",
-           "rank_sweep", "rank_figure", "GROUP", "KINDS"]
+           "heldout_scores", "heldout_reward", "train_grpo", "matched_rank", "Runs", "selected",
+           "grid_metrics",
+           "final_table", "paired", "reward_curves", "cost_table", "summary", "layer_of",
+           "energy_curves", "scores_at", "rank_sweep", "rank_figure", "GROUP", "KINDS"]
 
 GROUP = "04-hybrid-lora"        # the cache folder of the GRPO runs
 KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -68,24 +70,33 @@ class GRPOSettings:
 
 # -- the bed ------------------------------------------------------------------------------------
 
-def problems(family: str, difficulty: int, n_eval: int, probe: int, seed: int) -> dict:
-    """Train and held-out problems (``tasks.problem_split``: disjoint prompts), the first
-    ``n_eval`` held-out ones, and two disjoint probe batches of ``probe`` train problems drawn
-    with ``seed`` (A for the score, B for C3's check)."""
+def problems(family: str, difficulty: int, n_eval: int, probe: int, seed: int,
+             n_val: int = 0) -> dict:
+    """Train and held-out problems (``tasks.problem_split``: disjoint prompts); of the held-out
+    ones the first ``n_val`` are the validation split (learning rates are selected on it) and the
+    next ``n_eval`` the test split (the verdicts); two disjoint probe batches of ``probe`` train
+    problems drawn with ``seed`` (A for the score, B for C3's check)."""
     train, held = tasks.problem_split(family, difficulty)
+    if n_val + n_eval > len(held):
+        raise ValueError(f"{family} at difficulty {difficulty} has {len(held)} held-out problems, "
+                         f"fewer than n_val + n_eval = {n_val + n_eval}")
     order = np.random.default_rng(seed).permutation(len(train))
-    return {"train": train, "held_all": held, "held": held[:n_eval],
+    return {"train": train, "held_all": held, "val": held[:n_val],
+            "held": held[n_val: n_val + n_eval],
             "probe_a": [train[i] for i in order[:probe]],
             "probe_b": [train[i] for i in order[probe: 2 * probe]]}
 
 
-def base_rewards(model, tok, held: list, group: int, max_new_tokens: int, seed: int) -> dict:
-    """Where the base policy starts on the held-out problems: its greedy reward, its sampled
-    reward, and the share of groups of ``group`` completions with both a correct and a wrong
-    one (the groups GRPO learns from)."""
-    greedy = heldout_reward(model, tok, held)
-    roll = H.rollouts(model, tok, held, group, max_new_tokens, seed=seed)["rewards"].view(-1, group)
-    return {"greedy": greedy, "sampled": float(roll.mean()),
+def base_rewards(model, tok, held: list, group: int, max_new_tokens: int, seed: int,
+                 sampled: int = 64) -> dict:
+    """Where the base policy starts on the held-out problems: its greedy reward (and per
+    problem, ``items``), and on the first ``sampled`` of them its sampled reward and the share
+    of groups of ``group`` completions with both a correct and a wrong one (the groups GRPO
+    learns from)."""
+    items = heldout_scores(model, tok, held)
+    roll = H.rollouts(model, tok, held[:sampled], group, max_new_tokens, seed=seed)["rewards"]
+    roll = roll.view(-1, group)
+    return {"greedy": float(items.mean()), "items": items, "sampled": float(roll.mean()),
             "with_signal": float((roll.std(1) > 0).float().mean())}
 
 
@@ -162,37 +173,53 @@ def optimizer_state_bytes(opt) -> int:
                if torch.is_tensor(v) and v.dim() > 0)
 
 
-def heldout_reward(model, tok, examples: list) -> float:
-    """Mean verifier reward of greedy completions on held-out problems."""
+def heldout_scores(model, tok, examples: list) -> np.ndarray:
+    """Per problem, the verifier's reward of the greedy completion (room for the reference's
+    written steps; ``evaluate.item_scores``), in eval mode."""
     was = model.training
     model.eval()
-    acc = evaluate.exact_match(model, tok, examples)
+    items = evaluate.item_scores(model, tok, examples, with_steps=True)
     model.train(was)
-    return acc
+    return items
+
+
+def heldout_reward(model, tok, examples: list) -> float:
+    """Mean verifier reward of greedy completions on held-out problems."""
+    return float(heldout_scores(model, tok, examples).mean())
 
 
 class _Heldout(TrainerCallback):
-    """Greedy held-out reward every ``every`` steps and at the last step, into ``curve``."""
+    """Greedy reward on each split of ``evals`` (``{name: problems}``) every ``every`` steps
+    and at the last step, into ``curve[name][step]``; at the last step also the per-problem
+    scores, into ``items[name]``."""
 
-    def __init__(self, tok, heldout: list, every: int, steps: int, curve: dict):
-        self.tok, self.heldout, self.every, self.steps, self.curve = tok, heldout, every, steps, curve
+    def __init__(self, tok, evals: dict, every: int, steps: int, curve: dict, items: dict):
+        self.tok, self.evals, self.every, self.steps = tok, evals, every, steps
+        self.curve, self.items = curve, items
 
     def on_step_end(self, args, state, control, model=None, **_):
-        if state.global_step % self.every == 0 or state.global_step == self.steps:
-            self.curve[state.global_step] = heldout_reward(model, self.tok, self.heldout)
+        step = state.global_step
+        if step % self.every == 0 or step == self.steps:
+            for name, exs in self.evals.items():
+                sc = heldout_scores(model, self.tok, exs)
+                self.curve.setdefault(name, {})[step] = float(sc.mean())
+                if step == self.steps:
+                    self.items[name] = sc.tolist()
 
 
-def train_grpo(model, tok, train: list, heldout: list, s: GRPOSettings, out_dir) -> dict:
+def train_grpo(model, tok, train: list, evals: dict, s: GRPOSettings, out_dir) -> dict:
     """GRPO on ``train`` problems with TRL's ``GRPOTrainer`` (eq. 1 and 2: ``loss_type="grpo"``,
-    ``scale_rewards="group"``), rewards from the task verifiers; every ``s.every`` steps the
-    greedy reward on ``heldout`` problems. Returns the per-step rollout reward, the held-out
-    curve, the trainable count, the optimizer-state bytes and the step times."""
+    ``scale_rewards="group"``), rewards from the task verifiers; every ``s.every`` steps and at
+    the end the greedy reward on each split of ``evals`` (``{name: problems}``, e.g. validation
+    and test). Returns the per-step rollout reward, the curves (``curve[name][step]``), the
+    final per-problem scores (``items[name]``), the trainable count, the optimizer-state bytes
+    and the step times."""
     by_prompt = {tok.bos_token + e.prompt: e for e in train}
 
     def reward(prompts, completions, **_):
         return [tasks.score(by_prompt[p], c) for p, c in zip(prompts, completions)]
 
-    curve = {0: heldout_reward(model, tok, heldout)}
+    curve, items = {}, {}
     device = next(model.parameters()).device
     cfg = GRPOConfig(output_dir=str(out_dir), max_steps=s.steps, per_device_train_batch_size=s.prompts * s.group,
                      num_generations=s.group, max_completion_length=s.max_new_tokens,
@@ -209,36 +236,21 @@ def train_grpo(model, tok, train: list, heldout: list, s: GRPOSettings, out_dir)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, processing_class=tok,
                           train_dataset=Dataset.from_dict({"prompt": list(by_prompt)}),
                           optimizers=(opt, sched),
-                          callbacks=[_Heldout(tok, heldout, s.every, s.steps, curve)])
+                          callbacks=[_Heldout(tok, evals, s.every, s.steps, curve, items)])
+    trainer.remove_callback(PrinterCallback)          # the logs stay in the record, not on screen
     t0 = time.time()
     trainer.train()
     logs = [h for h in trainer.state.log_history if "reward" in h]
     return {"reward": [float(h["reward"]) for h in logs],
             "clip_region": [float(h.get("clip_ratio/region_mean", 0.0)) for h in logs],
             "step_time": [float(h["step_time"]) for h in logs if "step_time" in h],
-            "heldout": {int(k): float(v) for k, v in sorted(curve.items())},
-            "trainable": H.trainable(model), "optimizer_bytes": optimizer_state_bytes(opt),
+            "curve": {n: {int(k): float(v) for k, v in sorted(c.items())} for n, c in curve.items()},
+            "items": items, "trainable": H.trainable(model),
+            "optimizer_bytes": optimizer_state_bytes(opt),
             "train_seconds": round(time.time() - t0, 2), "settings": asdict(s)}
 
 
-def cached_run(group: str, key_parts: list, build) -> dict:
-    """One GRPO run's record, built once by ``build(tmp) -> dict`` and cached as JSON under
-    ``cache.folder(group)`` (:func:`workbench.cache.build`); ``cached`` says whether it was
-    there before."""
-    path = cache.folder(group) / f"run-{cache.key(*key_parts)}"
-    cached = cache.is_built(path)
-
-    def _build(tmp):
-        rec = build(tmp / "trainer")
-        (tmp / "record.json").write_text(json.dumps(rec))
-        return {"train_seconds": rec.get("train_seconds")}
-
-    cache.build(path, _build)
-    rec = json.loads((path / "record.json").read_text())
-    return {**rec, "cached": cached}
-
-
-# -- every method's runs --------------------------------------------------------------------------
+# -- every method on one learning-rate grid -------------------------------------------------------
 
 def matched_rank(model, names: list[str], chosen: list[str], rank: int) -> tuple[int, int]:
     """Hybrid-LoRA's trainable count (the ``chosen`` modules in full, rank ``rank`` on the other
@@ -254,8 +266,10 @@ def matched_rank(model, names: list[str], chosen: list[str], rank: int) -> tuple
 @dataclass
 class Runs:
     """Everything one GRPO run of a method depends on: the policy's start (zoo ``base`` at
-    ``zoo_scale`` on ``device``), the problems, the settings, each method's LoRA rank and fully
-    fine-tuned modules (``ranks``, ``full``) and the LoRA scale."""
+    ``zoo_scale`` on ``device``), the problems (``train``, the validation split ``val``, the
+    test split ``held``), the settings, each method's LoRA rank and fully fine-tuned modules
+    (``ranks``, ``full``), the LoRA scale, and ``adapter_ratio``: adapter factors train at that
+    multiple of the dense learning rate (one knob, the dense rate, for every method)."""
     base: str
     zoo_scale: str
     device: str
@@ -263,54 +277,94 @@ class Runs:
     family: str
     difficulty: int
     train: list
+    val: list
     held: list
     settings: GRPOSettings
     ranks: dict
     full: dict
     lora_scale: float
+    adapter_ratio: float = 10.0
+
+    def at(self, lr: float) -> GRPOSettings:
+        """The settings at dense learning rate ``lr`` (adapter factors at ``adapter_ratio`` x)."""
+        return replace(self.settings, lr=float(lr), lr_adapter=float(lr) * self.adapter_ratio)
 
     def build(self, method: str, s: GRPOSettings, out) -> dict:
-        """Train ``method`` from a fresh copy of the base model with settings ``s``."""
+        """Train ``method`` from a fresh copy of the base model with settings ``s``; greedy
+        reward on the validation and the test split."""
         m, _ = zoo.load(self.base, self.zoo_scale, device=self.device)
         policy = H.make_policy(m, method, self.ranks[method], self.lora_scale,
                                self.full.get(method, ()), seed=s.seed)
-        return train_grpo(policy, self.tok, self.train, self.held, s, out)
+        return train_grpo(policy, self.tok, self.train, {"val": self.val, "test": self.held}, s, out)
 
-    def key(self, method: str, s: GRPOSettings) -> list:
-        """The cache key's parts: the base model's recipe key and everything the run reads."""
-        return ["v1", zoo.key(self.base, self.zoo_scale), self.base, self.zoo_scale,
-                self.family, self.difficulty, method, self.ranks[method],
-                self.full.get(method, ()), asdict(s), len(self.held)]
+    def result(self, method: str, lr: float) -> dict:
+        """One GRPO run of ``method`` at dense rate ``lr``: its final validation (``val``, what
+        the sweep selects on) and test (``test``) reward beside the whole record."""
+        with tempfile.TemporaryDirectory() as out:
+            rec = self.build(method, self.at(lr), out)
+        return {"val": rec["curve"]["val"][self.settings.steps],
+                "test": rec["curve"]["test"][self.settings.steps], **rec}
 
-    def run(self, method: str, seed: int, steps: int | None = None) -> dict:
-        """One GRPO run of ``method`` with training seed ``seed``, cached; with ``steps``, a
-        shorter run, not cached (the cost table), evaluated only at its end."""
-        s = replace(self.settings, seed=seed, **({"steps": steps, "every": steps} if steps else {}))
-        if steps:
-            return self.build(method, s, tempfile.mkdtemp())
-        return cached_run(GROUP, self.key(method, s), lambda out: self.build(method, s, out))
+    def key(self) -> list:
+        """The sweep's cache key: the base model's recipe key and everything a run reads but
+        the learning rate."""
+        return ["v2", zoo.key(self.base, self.zoo_scale), self.base, self.zoo_scale,
+                self.family, self.difficulty, self.ranks, {m: list(v) for m, v in self.full.items()},
+                asdict(replace(self.settings, lr=0.0, lr_adapter=0.0)), self.lora_scale,
+                self.adapter_ratio, [e.prompt for e in self.val], [e.prompt for e in self.held]]
+
+    def sweep(self, methods, grid) -> sweep.Sweep:
+        """Every method on the same grid of dense learning rates (:func:`workbench.sweep.sweep`,
+        each run cached), each selected on its final validation reward."""
+        where = cache.folder(GROUP) / f"sweep-{cache.key(*self.key())}"
+        return sweep.sweep(self.result, list(methods), sorted(grid), "val", cache_dir=where,
+                           desc="GRPO runs")
 
 
-def curves(recs: dict) -> pd.DataFrame:
-    """The held-out reward curves of ``{(method, run seed): record}`` as one long table."""
-    return pd.DataFrame([{"method": m, "run": t, "step": int(st), "heldout": v}
-                         for (m, t), rec in recs.items() for st, v in rec["heldout"].items()])
+def selected(sw: sweep.Sweep) -> dict:
+    """Each method's run at its selected learning rate (``{method: record}``)."""
+    return {m: sw.at_best(m) for m in sw.table["method"].unique()}
 
 
-def final_table(curve: pd.DataFrame, recs: dict, methods, seed: int) -> pd.DataFrame:
-    """Per method: the final held-out reward (mean, std over runs), its gain over step 0, and
-    the trainable count (of the run with ``seed``)."""
-    final = curve[curve.step == curve.step.max()].groupby("method").heldout.agg(
-        ["mean", "std"]).loc[list(methods)]
-    start = curve[curve.step == 0].groupby("method").heldout.mean()
-    final["gain"] = final["mean"] - start.loc[final.index]
-    final["trainable"] = [recs[(m, seed)]["trainable"] for m in final.index]
-    return final
+def grid_metrics(sw: sweep.Sweep) -> dict:
+    """The whole grid as scalars for the record: each method's final validation and test
+    reward at the i-th rate of the grid (ascending), ``grid_val_<method>_<i>`` and
+    ``grid_test_<method>_<i>``, and the rates, ``grid_lr_<i>``."""
+    lrs = sorted(sw.table[sw.knob].unique())
+    out = {f"grid_lr_{i}": float(v) for i, v in enumerate(lrs)}
+    for row in sw.table.itertuples():
+        i = lrs.index(getattr(row, sw.knob))
+        out.update({f"grid_val_{row.method}_{i}": float(row.val),
+                    f"grid_test_{row.method}_{i}": float(row.test)})
+    return out
+
+
+def final_table(best: dict, start: float) -> pd.DataFrame:
+    """Per method at its selected rate: the dense learning rate, the final validation and test
+    reward, the test gain over the base policy's ``start``, and the trainable count."""
+    return pd.DataFrame({m: {"lr": rec["lr"], "val": rec["val"], "test": rec["test"],
+                             "gain": rec["test"] - start, "trainable": rec["trainable"]}
+                         for m, rec in best.items()}).T.astype(float)
+
+
+def paired(best: dict, a: str, others) -> pd.DataFrame:
+    """``a`` against each of ``others`` on the same test problems, each at its selected rate:
+    :func:`workbench.diagnostics.paired_table` of their per-problem rewards (``a`` minus the
+    other; ``a`` beats it where ``low > 0``), a row per other."""
+    return diagnostics.paired_table({o: (best[a]["items"]["test"], best[o]["items"]["test"])
+                                     for o in others})
+
+
+def reward_curves(best: dict, window: int = 5) -> pd.DataFrame:
+    """The rollout reward of each method's selected run, a ``window``-step moving mean, as a
+    (step, method) table."""
+    return pd.DataFrame({m: pd.Series(rec["reward"], index=range(1, len(rec["reward"]) + 1))
+                         .rolling(window, min_periods=1).mean() for m, rec in best.items()})
 
 
 def cost_table(short: dict) -> pd.DataFrame:
-    """C5 from a short run per method (``{method: record}``): trainable count, AdamW state,
-    bytes per trained weight, median step time, and each as a ratio to Full FT's."""
+    """C5 from a run per method (``{method: record}``): trainable count, AdamW state, bytes per
+    trained weight, median step time, and each as a ratio to Full FT's."""
     cost = pd.DataFrame({m: {"trainable": rec["trainable"],
                              "optimizer_MB": rec["optimizer_bytes"] / 2**20,
                              "bytes_per_trained_weight": rec["optimizer_bytes"] / rec["trainable"],
@@ -321,15 +375,20 @@ def cost_table(short: dict) -> pd.DataFrame:
     return cost
 
 
-def summary(final: pd.DataFrame, full_gain: pd.Series, cost: pd.DataFrame, lora_rank: int,
-            ey_error: float, scores: dict) -> dict:
-    """The scalars "What we saw" quotes: Full FT's gain (mean and smallest over the runs), every
-    method's final held-out reward, the matched LoRA rank, C3's identity error and largest
-    score, and C5's shares of Full FT's parameters and optimizer state with the step times."""
-    out = {"c1_full_gain_mean": float(full_gain.mean()), "c1_full_gain_min": float(full_gain.min()),
-           "lora_rank": int(lora_rank), "c3_ey_error": float(ey_error),
+def summary(final: pd.DataFrame, c1: dict, c2: dict, c4: pd.DataFrame, cost: pd.DataFrame,
+            lora_rank: int, ey_error: float, scores: dict) -> dict:
+    """The scalars "What we saw" quotes: Full FT's test gain over the base with its interval
+    (``c1``), LoRA's gap to Full FT with its interval (``c2``), Hybrid-LoRA's differences to
+    the others with their intervals (``c4``), every method's final test reward and selected
+    rate, the matched LoRA rank, C3's identity error and largest score, and C5's shares of Full
+    FT's parameters and optimizer state with the step times."""
+    out = {"lora_rank": int(lora_rank), "c3_ey_error": float(ey_error),
            "c3_score_max": float(max(scores.values()))}
-    out.update({f"final_{m}": float(v) for m, v in final["mean"].items()})
+    out.update({f"c1_{k}": float(c1[k]) for k in ("diff", "low", "high")})
+    out.update({f"c2_{k}": float(c2[k]) for k in ("diff", "low", "high")})
+    out.update({f"c4_{o}_{k}": float(c4.loc[o, k]) for o in c4.index for k in ("diff", "low", "high")})
+    out.update({f"final_{m}": float(v) for m, v in final["test"].items()})
+    out.update({f"lr_{m}": float(v) for m, v in final["lr"].items()})
     out.update(c5_hybrid_trainable_share=float(cost.loc["hybrid", "trainable / full"]),
                c5_hybrid_optimizer_share=float(cost.loc["hybrid", "optimizer_MB / full"]),
                c5_bytes_per_trained_weight=float(cost.loc["hybrid", "bytes_per_trained_weight"]),

@@ -9,7 +9,12 @@ under a byte budget) lives in :mod:`workbench.methods.inducekv`; the baselines' 
   training pairs), from space-separated family specs;
 - the C1 equivalence checks (entry vs prefix text, two entries end to end, ``generate``);
 - InduceKV on every scenario, and the selection and calibration contrasts (C4);
-- the baselines at the same budget (sequential LoRA, replay, MoE of LoRAs, an L2P prompt pool),
+- the continual-VQA stream (:func:`multimodal_backbone`: images through the frozen mini-CLIP and
+  the caption-trained ClipCap projector into the LM's input embeddings, :mod:`workbench.methods.
+  inducekv_mm`; :func:`vqa_data`: digit, colour, shape and texture questions) and the check that
+  the prefix reaches the LM (:func:`prefix_check`);
+- the baselines at the same budget (sequential LoRA, replay, MoE of LoRAs routed by centroids and
+  by a trained gate (:func:`gated_moe`), an L2P prompt pool),
   their trained states cached by a key of everything that changes them (:func:`cached_states`,
   :func:`workbench.cache.build`), and their accuracy matrices;
 - the diagnostics of C5 (a compute-matched LoRA, bounded pools, smaller budgets, more entries
@@ -32,11 +37,12 @@ import torch
 from peft import PeftModel
 
 from workbench import cache, plots
-from workbench.data import packing, tasks
+from workbench.data import images, packing, tasks
 from workbench.evaluate import MIDDLE, heldout_examples
 from workbench.methods import inducekv as K
 from workbench.methods import inducekv_baselines as KB
-from workbench.models import adapters, zoo
+from workbench.methods import inducekv_mm as MM
+from workbench.models import adapters, clip, finetune, zoo
 
 __all__ = ["parse_stream", "scenarios", "frozen_backbone", "task_data", "data_summary",
            "equivalence_table", "two_entries_diff", "generate_matches", "run_inducekv",
@@ -44,7 +50,9 @@ __all__ = ["parse_stream", "scenarios", "frozen_backbone", "task_data", "data_su
            "lora_matrix", "lora_baselines", "l2p_baseline", "results_table", "c3_summary",
            "selection_runs", "selection_table", "calibration_summary", "compute_matched_lora",
            "diagnostics", "footprint", "slug", "PairScores", "pair_scores", "replay_stream",
-           "stream_figure"]
+           "stream_figure", "gated_moe", "VQA_TASKS", "vqa_stream",
+           "MultimodalBackbone", "vqa_data", "projector_state", "multimodal_backbone",
+           "prefix_check"]
 
 
 # -- the stream and its data ---------------------------------------------------------------------
@@ -119,6 +127,141 @@ def slug(text: str) -> str:
     while "__" in out:
         out = out.replace("__", "_")
     return out.strip("_")
+
+
+# -- the continual-VQA stream -------------------------------------------------------------------
+# task -> (image family, question, the answer of a class name)
+VQA_TASKS = {"digit": ("digits", "digit ->", lambda c: c),
+             "colour": ("shapes", "colour ->", lambda c: c.split()[1]),
+             "shape": ("shapes", "shape ->", lambda c: c.split()[2]),
+             "texture": ("shapes", "texture ->", lambda c: c.split()[0])}
+
+
+def vqa_stream(spec: str) -> list[tuple[str, str, int]]:
+    """'digit colour shape' -> [(name, "vqa-<name>", 0)], every name a :data:`VQA_TASKS` key."""
+    return [(n, f"vqa-{n}", 0) for n in spec.split() if VQA_TASKS[n]]
+
+
+def _vqa_images(fam: str, split: str, n: int, seed: int):
+    """``n`` images of ``fam`` with their class names: digits from CLIP's ``split``; shapes
+    freshly drawn (seen classes; the test split from another seed than the training one)."""
+    if fam == "digits":
+        x, y, _ = images.digits(split)
+        names = [images.DIGIT_NAMES[i] for i in y]
+    else:
+        cls = images.classes("shapes", "seen")
+        x, y, _ = images.shapes(cls, -(-n // len(cls)), seed + (500 if split == "test" else 600))
+        names = [cls[i] for i in y]
+    pick = np.random.default_rng([seed, len(names), 3]).permutation(len(names))[:n]
+    return x[pick], [names[i] for i in pick]
+
+
+def vqa_data(tok, items, sizes: dict, seed: int) -> tuple[dict, np.ndarray]:
+    """Per task, as :func:`task_data`: ``test`` (held-out images), ``pool``, ``probes`` and
+    ``train`` (training images) of ``<image:n> question -> answer`` examples; and the images
+    (N, 3, 16, 16), row ``n`` being image ``n`` of the stream."""
+    data, xs, at = {}, [], 0
+    for name, fam, _ in items:
+        img_fam, question, answer = VQA_TASKS[name]
+        n_tr = sizes["n_pool"] + sizes["n_probe"] + sizes["vqa_train"]
+        split = {}
+        for part, n in (("test", sizes["n_test"]), ("train", n_tr)):
+            x, cls = _vqa_images(img_fam, part, n, seed)
+            split[part] = [tasks.Example(fam, f"{MM.marker(at + i)} {question}", answer(c), 0)
+                           for i, c in enumerate(cls)]
+            xs.append(x)
+            at += len(x)
+        tr, n_pool = split["train"], sizes["n_pool"]
+        train = tr[n_pool + sizes["n_probe"]:]
+        data[name] = {"family": fam, "difficulty": 0, "test": split["test"],
+                      "pool": tr[:n_pool], "probes": tr[n_pool: n_pool + sizes["n_probe"]],
+                      "train": train,
+                      "pairs": packing.encode(tok, [e.prompt for e in train],
+                                              [e.completion() for e in train])}
+    return data, np.concatenate(xs)
+
+
+@dataclass
+class MultimodalBackbone:
+    """The frozen CLIP image features of a stream's images and the trained projector's state:
+    :meth:`setup` installs the prefix into a loaded LM (frozen); ``key`` names it in caches."""
+    features: torch.Tensor
+    projector: dict
+    k: int
+    key: str
+
+    def setup(self, lm):
+        p = MM.Projector(self.features.shape[1], lm.config.hidden_size, self.k)
+        p.load_state_dict(self.projector)
+        for q in p.parameters():
+            q.requires_grad_(False)
+        return MM.install(lm, p.eval(), self.features)
+
+
+def projector_state(model: str, scale: str, sizes: dict, seed: int = 0) -> dict:
+    """The ClipCap projector trained on captions (CLIP's training digits and seen shapes, every
+    caption template) with the LM and CLIP frozen; cached by its settings. Part of the frozen
+    multimodal backbone, so one build (seed 0) serves every seed of the notebook."""
+    spec = {"base": model, "scale": scale, "seed": seed, "k": sizes["vqa_k"],
+            "steps": sizes["proj_steps"], "lr": sizes["proj_lr"], "batch": sizes["lora_batch"]}
+
+    def build():
+        lm, tok = frozen_backbone(model, scale)
+        cm, _ = clip.load(scale)
+        x, _, caps = images.digits("train")
+        xs, _, caps2 = images.shapes(images.classes("shapes", "seen"), 8, 0)
+        with torch.no_grad():
+            f = clip.image_features(cm, np.concatenate([x, xs]))
+        emb = float(lm.get_input_embeddings().weight.std())
+        proj = MM.Projector(f.shape[1], lm.config.hidden_size, sizes["vqa_k"], seed=seed,
+                            scale=emb)
+        MM.install(lm, proj, f)
+        mtok = MM.ImageTokenizer(tok, sizes["vqa_k"])
+        pairs = packing.encode(mtok, [MM.marker(i) for i in range(len(f))],
+                               [" " + c for c in caps + caps2])
+        losses = finetune.train_steps(lm, pairs, sizes["proj_steps"], sizes["lora_batch"],
+                                      sizes["proj_lr"], seed, tok.pad_token_id)
+        return {"state": {k: v.detach().clone() for k, v in proj.state_dict().items()},
+                "losses": losses}
+    return cached_states("projector", spec, build)
+
+
+def multimodal_backbone(model: str, scale: str, items, sizes: dict, seed: int):
+    """The continual-VQA stream's frozen multimodal backbone and data: ``(lm, tok, mm, data,
+    caption_losses)``: the zoo LM with the stream's image prefix installed, the
+    :class:`MM.ImageTokenizer`, the :class:`MultimodalBackbone`, :func:`vqa_data`'s tasks."""
+    lm, tok = frozen_backbone(model, scale)
+    mtok = MM.ImageTokenizer(tok, sizes["vqa_k"])
+    data, x = vqa_data(mtok, items, sizes, seed)
+    cm, _ = clip.load(scale)
+    with torch.no_grad():
+        feats = clip.image_features(cm, x)
+    proj = projector_state(model, scale, sizes)
+    key = cache.key(lm.zoo_card["key"], str(clip.model_dir(scale).name), sizes["vqa_k"],
+                    sizes["proj_steps"], sizes["proj_lr"], feats.sum().item(), len(feats))
+    mm = MultimodalBackbone(feats, proj["state"], sizes["vqa_k"], key)
+    return mm.setup(lm), mtok, mm, data, proj["losses"]
+
+
+@torch.no_grad()
+def prefix_check(lm, tok, data: dict, names: list[str]) -> dict:
+    """The image prefix reaches the LM: the largest difference between the logits of a test
+    prompt through the placeholder ids and through hand-built ``inputs_embeds`` (text
+    embeddings with ``projector(CLIP(image))`` after ``<bos>``), and how far the logits move
+    when another image of the stream is put in its place."""
+    diff, moved = 0.0, []
+    for n in names:
+        a, b = data[n]["test"][:2]
+        (ids, _), (ids_b, _) = packing.encode(tok, [a.prompt, b.prompt])
+        k, V = tok.k, tok.vocab
+        img_a, img_b = (ids[1] - V) // k, (ids_b[1] - V) // k
+        text = torch.tensor([ids[:1] + ids[1 + k:]])
+        ref = lm(inputs_embeds=MM.prefix_embeds(lm, text, [img_a])).logits
+        got = lm(input_ids=torch.tensor([ids])).logits
+        swap = lm(input_ids=torch.tensor([ids[:1] + ids_b[1: 1 + k] + ids[1 + k:]])).logits
+        diff = max(diff, float((ref - got).abs().max()))
+        moved.append(float((swap - got)[0, -1].abs().max()) if img_a != img_b else 0.0)
+    return {"max_logit_diff_vs_inputs_embeds": diff, "min_logit_move_other_image": min(moved)}
 
 
 # -- C1: an entry is its prefix in context -------------------------------------------------------
@@ -229,14 +372,19 @@ def cached_states(kind: str, spec: dict, build) -> list[dict]:
 
 def sequential_lora(pool, base: str, stream: list[str], train_pairs: dict, steps: int,
                     batch: int, lr: float, seed: int, replay_per_task: int = 0,
-                    first: str | None = None, rank: int = 8, lora_scale: float = 2.0):
+                    first: str | None = None, rank: int = 8, lora_scale: float = 2.0,
+                    mm=None):
     """``(peft_model, tok, states, info)``: one LoRA after each stage of ``stream`` (cached).
 
     ``first``: the pool adapter that is stage 1 (what training a LoRA on the first task gives,
     already cached); None trains a fresh LoRA (``rank``, ``lora_scale``) ``steps`` on it, as
     every later stage is trained. With ``replay_per_task`` that many examples of each finished
-    task join a replay buffer that fills half of every later batch."""
+    task join a replay buffer that fills half of every later batch. ``mm``: the continual-VQA
+    stream's :class:`MultimodalBackbone` (its image prefix installed in the loaded model, its
+    key in the cache's)."""
     model, tok = zoo.load(base, pool.scale)
+    if mm is not None:
+        mm.setup(model)
     if first is not None:
         model = PeftModel.from_pretrained(model, pool.path(first), is_trainable=True)
     else:
@@ -246,6 +394,8 @@ def sequential_lora(pool, base: str, stream: list[str], train_pairs: dict, steps
             "rank": rank, "lora_scale": lora_scale,
             "data": {t: [len(train_pairs[t]), sum(len(i) for i, _ in train_pairs[t])]
                      for t in stream}}
+    if mm is not None:
+        spec["mm"] = mm.key
 
     def build():
         states, buf, buffers = [], [], []
@@ -272,7 +422,7 @@ def sequential_lora(pool, base: str, stream: list[str], train_pairs: dict, steps
 
 
 def moe_experts(pool, base: str, stream: list[str], train_pairs: dict, experts_from_pool,
-                steps: int, batch: int, lr: float, seed: int):
+                steps: int, batch: int, lr: float, seed: int, mm=None):
     """``(peft_model, states, passes)``: one expert LoRA per task. ``experts_from_pool`` names
     the pool adapter of each task (cached, no training); None trains a fresh one per task."""
     if experts_from_pool is not None:
@@ -282,7 +432,7 @@ def moe_experts(pool, base: str, stream: list[str], train_pairs: dict, experts_f
     states, passes, model = [], 0, None
     for t, name in enumerate(stream):
         model, _, st, info = sequential_lora(pool, base, [name], train_pairs, steps, batch, lr,
-                                             seed + t)
+                                             seed + t, mm=mm)
         states.append(st[0])
         passes += info["passes"]
     return model, states, passes
@@ -301,9 +451,10 @@ def lora_matrix(pm, states: list[dict], stream_names: list[str], tests: dict, to
                 extra_bytes, kind: str, with_steps: bool, route=None) -> dict:
     """``acc[t, j]`` of the LoRA ``states`` after each stage on the tests of every seen task,
     with the deployed bytes ``extra_bytes(t)`` checked against ``budget`` at every stage.
-    ``route(t, j)`` gives each query's state index (MoE); otherwise stage t's state answers."""
+    ``route(t, j)`` gives each query's state index (MoE); otherwise stage t's state answers.
+    ``last_items``: per-item exact match of every task's tests after the last stage."""
     T = len(stream_names)
-    A, bud = np.full((T, T), np.nan), K.Budget(budget)
+    A, bud, last = np.full((T, T), np.nan), K.Budget(budget), []
     for t in range(T):
         bud.check(extra_bytes(t), f"{kind} stage {t}")
         for j, n in enumerate(stream_names[: t + 1]):
@@ -315,16 +466,19 @@ def lora_matrix(pm, states: list[dict], stream_names: list[str], tests: dict, to
                 sc[idx] = K.answer_scores(pm, tok, [tests[n][i] for i in idx],
                                           with_steps=with_steps)[1]
             A[t, j] = sc.mean()
-    return {"acc": A, "trace": bud.trace}
+            if t == T - 1:
+                last.append(sc)
+    return {"acc": A, "trace": bud.trace, "last_items": np.concatenate(last)}
 
 
 def lora_baselines(pool, model: str, scale: str, items, data: dict, prepared: list, qk: dict,
-                   tok, budget: int, sizes: dict, seed: int, with_steps: bool) -> dict:
+                   tok, budget: int, sizes: dict, seed: int, with_steps: bool, mm=None) -> dict:
     """Sequential LoRA, replay and MoE of LoRAs on one scenario: ``{method: {acc, trace,
     passes}}``. The pool's adapters seed stage 1 and the experts when every task is its own pool
     family, and a pool adapter's training counts as the compute of the stage it stands for. The
     MoE keeps the experts that fit beside their centroids (the oldest goes first) and routes each
-    query to the nearest centroid of the frozen retrieval keys."""
+    query to the nearest centroid of the frozen retrieval keys; the gated MoE mixes the same
+    experts with a trained gate (:func:`gated_moe`)."""
     names_s = [n for n, _, _ in items]
     fams = [f for _, f, _ in items]
     pairs = {n: data[n]["pairs"] for n in names_s}
@@ -335,14 +489,14 @@ def lora_baselines(pool, model: str, scale: str, items, data: dict, prepared: li
     for kind, replay in (("sequential LoRA", 0), ("replay", sizes["replay_per_task"])):
         pm, _, states, info = sequential_lora(pool, model, names_s, pairs, sizes["lora_steps"],
                                               sizes["lora_batch"], sizes["lora_lr"], seed, replay,
-                                              first=fams[0] if seeded else None)
+                                              first=fams[0] if seeded else None, mm=mm)
         out[kind] = lora_matrix(pm, states, names_s, tests, tok, budget,
                                 lambda t: info["adapter_bytes"] + info["buffer_bytes"][t], kind,
                                 with_steps)
         out[kind]["passes"] = info["passes"] + (pool_passes if seeded else 0)
     moe, experts, moe_passes = moe_experts(pool, model, names_s, pairs, fams if seeded else None,
                                            sizes["lora_steps"], sizes["lora_batch"],
-                                           sizes["lora_lr"], seed)
+                                           sizes["lora_lr"], seed, mm)
     per_expert = KB.lora_bytes(moe)
     d = prepared[0].pool_keys.shape[1]
     cap = max(1, budget // (per_expert + 4 * d))
@@ -360,11 +514,53 @@ def lora_baselines(pool, model: str, scale: str, items, data: dict, prepared: li
                                       with_steps, moe_route)
     out["MoE of LoRAs"]["passes"] = moe_passes + (pool_passes * len(fams) if seeded else 0)
     out["MoE of LoRAs"]["experts_kept"] = len(live(len(names_s) - 1))
+    out["gated MoE of LoRAs"] = gated_moe(model, scale, names_s, data, experts, qk, tok, budget,
+                                          per_expert, sizes, seed, with_steps, mm)
+    out["gated MoE of LoRAs"]["passes"] += out["MoE of LoRAs"]["passes"]
     return out
 
 
+def gated_moe(model: str, scale: str, names_s: list[str], data: dict, experts: list[dict],
+              qk: dict, tok, budget: int, per_expert: int, sizes: dict, seed: int,
+              with_steps: bool, mm=None) -> dict:
+    """The MoE's experts mixed by a trained linear gate on the frozen retrieval key
+    (:class:`KB.Gate`, :class:`KB.LoraMixture`): at task t the experts that fit beside the gate
+    are live (the oldest goes first) and the gate is trained on task t's training data alone;
+    ``acc[t, j]`` under the gate after task t. Also ``gate_weights[t][j]`` (mean weights on task
+    j's tests) and ``gate_losses``."""
+    lm, _ = frozen_backbone(model, scale)
+    if mm is not None:
+        mm.setup(lm)
+    d, T, n = lm.config.hidden_size, len(names_s), sizes["gate_steps"] * sizes["gate_batch"]
+    qtrain = {m: K.query_keys(lm, tok, data[m]["train"][:n]) for m in names_s}
+    pairs = {m: data[m]["pairs"][:n] for m in names_s}
+    gate = KB.Gate(d, T, seed)
+    row = per_expert + gate.nbytes(1)
+    cap = max(1, budget // row)
+    A, W, bud, losses, last = np.full((T, T), np.nan), [], K.Budget(budget), [], []
+    with KB.LoraMixture(lm, experts) as mix:
+        for t, m in enumerate(names_s):
+            live = list(range(max(0, t + 1 - cap), t + 1))
+            bud.check(len(live) * row, f"gated MoE stage {t}")
+            losses.append(KB.train_gate(lm, mix, gate, pairs[m], qtrain[m], live,
+                                        sizes["gate_steps"], sizes["gate_batch"],
+                                        sizes["gate_lr"], seed + t, tok.pad_token_id))
+            W.append([])
+            for j, mj in enumerate(names_s[: t + 1]):
+                with torch.no_grad():
+                    w = gate(qk[mj], live)
+                ex = KB.gated_scores(lm, mix, w, tok, data[mj]["test"], with_steps)[1]
+                A[t, j] = ex.mean()
+                W[t].append(w.mean(0).numpy())
+                if t == T - 1:
+                    last.append(ex)
+    return {"acc": A, "trace": bud.trace, "gate_weights": W, "gate_losses": losses,
+            "last_items": np.concatenate(last),
+            "passes": 3 * sizes["gate_steps"] * sizes["gate_batch"] * T}
+
+
 def l2p_baseline(lm, tok, names_s: list[str], data: dict, qk: dict, budget: int, sizes: dict,
-                 seed: int, with_steps: bool) -> dict:
+                 seed: int, with_steps: bool, mm=None) -> dict:
     """The L2P prompt pool on one scenario: trained task by task on the frozen query feature
     (states cached per stage), then ``acc[t, j]`` with its bytes checked at every stage."""
     torch.manual_seed(seed)
@@ -374,6 +570,8 @@ def l2p_baseline(lm, tok, names_s: list[str], data: dict, qk: dict, budget: int,
     spec = {"base": lm.zoo_card["key"], "stream": names_s, "batch": sizes["lora_batch"],
             "sizes": {k: sizes[k] for k in sizes if k.startswith("l2p")},
             "seed": seed, "data": {n: len(data[n]["pairs"]) for n in names_s}}
+    if mm is not None:
+        spec["mm"] = mm.key
     sub = {n: data[n]["pairs"][: sizes["l2p_steps"] * 8] for n in names_s}
 
     def build():
@@ -386,13 +584,16 @@ def l2p_baseline(lm, tok, names_s: list[str], data: dict, qk: dict, budget: int,
         return states
     states = cached_states("l2p", spec, build)
     T = len(names_s)
-    A, bud = np.full((T, T), np.nan), K.Budget(budget)
+    A, bud, last = np.full((T, T), np.nan), K.Budget(budget), []
     for t in range(T):
         pp.load_state_dict(states[t])
         bud.check(pp.nbytes, f"L2P stage {t}")
         for j, n in enumerate(names_s[: t + 1]):
-            A[t, j] = KB.l2p_scores(lm, pp, tok, data[n]["test"], qk[n], with_steps)[1].mean()
-    return {"acc": A, "trace": bud.trace,
+            ex = KB.l2p_scores(lm, pp, tok, data[n]["test"], qk[n], with_steps)[1]
+            A[t, j] = ex.mean()
+            if t == T - 1:
+                last.append(ex)
+    return {"acc": A, "trace": bud.trace, "last_items": np.concatenate(last),
             "passes": 3 * sizes["l2p_steps"] * sizes["lora_batch"] * T}
 
 

@@ -507,7 +507,8 @@ def run_stream(model, tok, prepared: list[Prepared], tests: dict, budget: int,
     selection used was fit on the memory plus the candidates). After each task every seen
     task is evaluated with retrieval: ``acc[t, j]`` (teacher-forced exact match of
     ``tests[j]``), ``hit[t, j]`` (share of queries whose top-1 entry is of task j); with
-    ``also_raw`` the same memory is also evaluated with raw cosine retrieval."""
+    ``also_raw`` the same memory is also evaluated with raw cosine retrieval. ``last_items``:
+    the per-item exact match of every task's tests after the last task (stream order)."""
     rng = np.random.default_rng(seed)
     T = len(prepared)
     mem = Memory(Budget(budget))
@@ -516,7 +517,7 @@ def run_stream(model, tok, prepared: list[Prepared], tests: dict, budget: int,
     acc, hit = np.full((T, T), np.nan), np.full((T, T), np.nan)
     acc_raw, hit_raw = np.full((T, T), np.nan), np.full((T, T), np.nan)
     qk = query_cache if query_cache is not None else {}
-    passes = 0
+    passes, last = 0, []
     for t, P in enumerate(prepared):
         mem.evict_to(int(budget * t / (t + 1)), where=f"task {t}: evict")
         keys = torch.stack([e.key for e in mem.entries] + [c.key for c in P.cands])
@@ -547,8 +548,11 @@ def run_stream(model, tok, prepared: list[Prepared], tests: dict, budget: int,
                 got = retrieve(mem.entries, qk[tj], k, calib)
                 _, ex = answer_scores(model, tok, tests[tj], got, with_steps)
                 A[t, j] = ex.mean()
+                if t == T - 1 and A is acc:
+                    last.append(ex)
                 H[t, j] = np.mean([bool(g) and g[-1].task == tj for g in got])
     out = {"acc": acc, "hit": hit, "memory": mem, "trace": mem.budget.trace,
+           "last_items": np.concatenate(last),
            "peak_bytes": mem.budget.peak, "passes": passes + sum(P.passes for P in prepared),
            "entries_per_task": {P.task: sum(e.task == P.task for e in mem.entries)
                                 for P in prepared}}
