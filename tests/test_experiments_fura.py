@@ -170,7 +170,7 @@ def test_lr_sweep_selects_on_validation_never_on_the_test(monkeypatch, tmp_path)
 
     monkeypatch.setattr(xp, "cached_finetune", fake)
     monkeypatch.setattr(xp.cache, "folder", lambda *parts: tmp_path)
-    monkeypatch.setattr(xp.zoo, "recipe", lambda base: SimpleNamespace(key=lambda s: "k"))
+    monkeypatch.setattr(xp.zoo, "key", lambda base, scale: "k")
     S = {"steps": 4, "batch": 2, "rank": 2, "lora_scale": 2.0, "bits": 4, "group_size": 16,
          "every": 2, "by_head": True}
     sw = xp.lr_sweep("lm", "smoke", _data(), S, 0, None, 0, "cpu", [1e-2, 1e-3], ["lora", "fura"])

@@ -41,6 +41,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .models import checkpoint
 from .notebooks import NotebookError, NotebookInfo, parameters, read_notebook
 
 RESERVED = {"scale": "--scale", "seed": "--seeds", "out_dir": "--out"}
@@ -184,6 +185,10 @@ def validate_params(info: NotebookInfo, raw: dict[str, list[str]], seeds=(),
     for name, values in raw.items():
         if name in RESERVED:
             raise ParameterError(f"{info.slug}: set '{name}' with {RESERVED[name]}, not -p")
+        renamed = checkpoint.RENAMED.get(info.slug, {}).get(name)
+        if name not in spec and renamed in spec:
+            raise ParameterError(f"{info.slug}: parameter '{name}' is now '{renamed}' (one model "
+                                 f"parameter convention, issue 34): -p {renamed} ...")
         if name not in spec:
             valid = ", ".join(f"{n} ({s['type']}, default {s['default']})"
                               + (f" {s['limit'].text}" if s.get("limit") else "")
@@ -201,6 +206,14 @@ def validate_params(info: NotebookInfo, raw: dict[str, list[str]], seeds=(),
             check_limit(info, name, value, spec[name])
             out.append(value)
         typed[name] = out
+    for name, values in typed.items():        # a checkpoint a notebook cannot use: refused now
+        values[:] = [checkpoint.absolute(info.slug, name, v) for v in values]
+        for value in values:
+            try:
+                for w in checkpoint.validate_params(info.slug, {name: value}):
+                    print(f"warning: {info.slug}: {w}", file=sys.stderr)
+            except checkpoint.CheckpointError as e:
+                raise ParameterError(str(e)) from None
     return typed
 
 

@@ -276,7 +276,8 @@ def c10(p, S):
 
 
 def c11(p, S):
-    names = S["candidates"] if isinstance(S["candidates"], list) else S["candidates"].split(",")
+    names = S["candidate_models"]
+    names = names if isinstance(names, list) else names.split(",")
     scale = p.get("zoo_scale") or p["scale"]
     ms = [zoo_shape(n, scale) for n in names]
     fams = len(S["families"])

@@ -19,6 +19,7 @@ import random
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -458,6 +459,9 @@ def check_limits(params: dict, slug: str) -> None:
         if value is None or not limit.allows(value):
             raise ValueError(f"{slug}: parameter {name!r} = {value!r} is outside its limit "
                              f"{limit.text} ({limit.describe()}); fix the parameters cell or -p")
+    from .models import checkpoint         # a checkpoint the notebook cannot use: refused now
+    for w in checkpoint.validate_params(slug, params, device=params.get("device")):
+        warnings.warn(w, stacklevel=3)
 
 
 def start(slug: str, namespace: dict | None = None, /, **params) -> Run:

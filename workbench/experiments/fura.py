@@ -196,8 +196,8 @@ def cached_finetune(base: str, zoo_scale: str, method: str, pairs, settings: dic
     rows and ``settings``: lr, steps, batch, seed, rank, lora_scale, bits, group_size, and
     whatever names the evaluation; ``by_head`` when present). Returns ``(model, info)``: the tuned model in eval mode and
     ``{"trajectory": [...], "train_seconds", "cached"}``."""
-    key = cache.key(zoo.recipe(base).key(zoo_scale), method, pairs, settings)
-    path = cache.folder(GROUP) / f"{method}-{base}-{zoo_scale}-{key}"
+    key = cache.key(zoo.key(base, zoo_scale), method, pairs, settings)
+    path = cache.folder(GROUP) / f"{method}-{zoo.label(base)}-{zoo_scale}-{key}"
     cached = cache.is_built(path)
     s = settings
 
@@ -274,7 +274,7 @@ def lr_sweep(base: str, zoo_scale: str, data: TaskData, S: dict, seed: int, eval
         return {**info["trajectory"][-1], "train_seconds": info["train_seconds"]}
 
     where = cache.folder(GROUP) / ("sweep-" + cache.key(
-        zoo.recipe(base).key(zoo_scale), data.pairs, _settings(S, None, seed, pad_id, names)))
+        zoo.key(base, zoo_scale), data.pairs, _settings(S, None, seed, pad_id, names)))
     return sweep.sweep(run, list(methods), sorted(grid), "val_target", cache_dir=where,
                        desc="learning-rate sweep")
 

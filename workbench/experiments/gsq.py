@@ -52,8 +52,9 @@ LLAMA_CPP_PPL_RTOL = 0.01        # llama.cpp's Q8_0 activations against the floa
 
 
 def limits() -> dict:
-    """:data:`LIMITS` with the zoo's backbones as the choices of ``model_name``."""
-    return {**LIMITS, "model_name": list(zoo.RECIPES)}
+    """:data:`LIMITS` (``model``, a zoo name or a checkpoint, is checked before the kernel starts
+    by :func:`workbench.models.checkpoint.validate_params`)."""
+    return dict(LIMITS)
 
 
 class swapped:
@@ -130,19 +131,20 @@ class Bed:
             return evaluate.perplexity(self.model, self.held)
 
 
-def load_bed(model_name: str, scale: str, S: dict, seed: int, device) -> Bed:
-    """Load the zoo backbone (built on first use), draw the calibration windows (seeded) and
-    the held-out blocks, and collect every block linear's Hessian."""
+def load_bed(model: str, scale: str, S: dict, seed: int, device) -> Bed:
+    """Load the backbone (a zoo name, built on first use, or a checkpoint directory), draw the
+    calibration windows (seeded) and the held-out blocks, and collect every block linear's
+    Hessian."""
     t0 = time.time()
-    model, tok = zoo.load(model_name, scale, device=str(device))
+    lm, tok = zoo.load(model, scale, device=str(device))
     load_s = time.time() - t0
     t_start = time.time()
     calib = corpus.calibration_blocks(tok, S["ctx"], S["n_calib"], seed=seed)
     held = corpus.heldout_blocks(tok, S["ctx"], S["heldout_blocks"] or None)
-    layers = Q.block_linears(model)
-    H = Q.collect_hessians(model, layers, calib)
-    ppl_fp = evaluate.perplexity(model, held)
-    return Bed(model, tok, model.zoo_card, calib, held, layers, H, ppl_fp, load_s, t_start)
+    layers = Q.block_linears(lm)
+    H = Q.collect_hessians(lm, layers, calib)
+    ppl_fp = evaluate.perplexity(lm, held)
+    return Bed(lm, tok, lm.zoo_card, calib, held, layers, H, ppl_fp, load_s, t_start)
 
 
 def weight_noise(bed: Bed, levels, seed: int, device) -> tuple[dict, float]:
@@ -343,8 +345,11 @@ def task_scores(bed: Bed, results: dict, n: int) -> tuple[str, dict]:
     """The trained task family the full-precision model does best, and the exact-match accuracy
     on it of fp and of RTN, GPTQ and GSQ at 2 and 3 bits."""
     card = bed.card
-    family = max(card["trained_tasks"], key=lambda f: card["task_accuracy"][f])
     easiest = card["recipe"].get("easiest")
+    known = card.get("task_accuracy") or {       # a checkpoint without a zoo card: measure
+        f: evaluate.task_accuracy(bed.model, bed.tok, f, n, seed=777, easiest=easiest)
+        for f in card["trained_tasks"]}
+    family = max(card["trained_tasks"], key=lambda f: known[f])
     acc = {"fp": evaluate.task_accuracy(bed.model, bed.tok, family, n, seed=777, easiest=easiest)}
     for bits in (2, 3):
         for m in METHODS:
@@ -372,7 +377,7 @@ def _q4_0_file(bed: Bed, label: str, codes: dict, path, name: str, metadata: dic
                               if reader == "llama.cpp" else None)}
 
 
-def q4_0_round_trip(bed: Bed, cfg: M.GSQConfig, seed: int, out_dir, model_name: str,
+def q4_0_round_trip(bed: Bed, cfg: M.GSQConfig, seed: int, out_dir, name: str,
                     device) -> dict:
     """gguf-py's own Q4_0 quantization of every block weight, GSQ as published started from it
     (groups of 32, 4 bits: shifts {-2..2} around the file's codes), both written as GGUF files and read back: ``reader`` (llama.cpp when installed,
@@ -387,8 +392,8 @@ def q4_0_round_trip(bed: Bed, cfg: M.GSQConfig, seed: int, out_dir, model_name: 
                    "GSQ Q4_0": {n + ".weight": i["q"] for n, i in info_q4.items()}}
     reader = "llama.cpp" if Q.gguf.have_llama_cpp() else "transformers"
     files = {label: _q4_0_file(bed, label, codes,
-                               out_dir / f"{model_name}-{label.split()[0]}-q4_0.gguf",
-                               f"{model_name} {label}",
+                               out_dir / f"{name}-{label.split()[0]}-q4_0.gguf",
+                               f"{name} {label}",
                                {"workbench.notebook": "14-gsq", "workbench.seed": seed}, device,
                                reader)
              for label, codes in assignments.items()}

@@ -89,14 +89,14 @@ def teacher_forced(model, tok, examples, with_steps: bool, batch: int = 128):
 def static_scores(names, zoo_scale: str, models: dict, toks: dict, splits: dict) -> dict:
     """Per candidate, per split, per example: greedy exact match (the family's verifier) and the
     answer loss of the static model, computed once and cached (``cache.build``)."""
-    key = cache.key([zoo.recipe(n).key(zoo_scale) for n in names],
+    key = cache.key([zoo.key(n, zoo_scale) for n in names],
                     {s: [e.prompt for e in ex] for s, ex in splits.items()})
     path = cache.folder(GROUP) / f"static-{zoo_scale}-{key}"
 
     def build(tmp):
         out = {}
         for n in names:
-            ws = zoo.recipe(n).with_steps
+            ws = zoo.with_steps(n)
             out[n] = {}
             for split, ex in splits.items():
                 comps = evaluate.generate(models[n], toks[n], [e.prompt for e in ex],
@@ -156,7 +156,7 @@ def cached_haps(names, zoo_scale: str, models: dict, toks: dict, train, test,
     cached under ``cache.folder("haps")`` keyed by the candidates' recipe keys, the settings and
     the prompts."""
     shapes = {n: [(i, o) for _, _, i, o in H.target_modules(models[n])] for n in names}
-    key = cache.key([zoo.recipe(n).key(zoo_scale) for n in names], asdict(s), feat_dim,
+    key = cache.key([zoo.key(n, zoo_scale) for n in names], asdict(s), feat_dim,
                     [e.prompt for e in train], [e.prompt for e in test])
     tag = f"{'shared' if s.shared else 'separate'}-{s.objective}"
     path = cache.folder(GROUP) / f"haps-{tag}-{zoo_scale}-{key}"
@@ -168,7 +168,7 @@ def cached_haps(names, zoo_scale: str, models: dict, toks: dict, train, test,
         t0 = time.time()
         torch.manual_seed(s.seed)
         haps = make().to(device)
-        pairs = {n: encode(toks[n], train, zoo.recipe(n).with_steps) for n in names}
+        pairs = {n: encode(toks[n], train, zoo.with_steps(n)) for n in names}
         x = H.prompt_features([e.prompt for e in train], feat_dim)
         log = H.train_haps(haps, models, pairs, {n: toks[n].pad_token_id for n in names}, x,
                            labels, s)
@@ -177,7 +177,7 @@ def cached_haps(names, zoo_scale: str, models: dict, toks: dict, train, test,
         xt = H.prompt_features([e.prompt for e in test], feat_dim)
         adapted = {}
         for n in names:
-            ws = zoo.recipe(n).with_steps
+            ws = zoo.with_steps(n)
             comps = adapted_completions(models[n], toks[n], haps, n, [e.prompt for e in test], xt,
                                         s.scale, max_new_tokens(toks[n], test, ws))
             adapted[n] = [tasks.score(e, c) for e, c in zip(test, comps)]
@@ -207,7 +207,7 @@ def cached_ref_haps(names, zoo_scale: str, models: dict, toks: dict, train, test
     :func:`cached_haps`: trained once, cached by the candidates' and the encoder's recipe keys,
     the settings and the prompts."""
     dims = {n: H.official_targets(models[n], s.layers)[0][2:] for n in names}
-    key = cache.key([zoo.recipe(n).key(zoo_scale) for n in names + [encoder]], asdict(s),
+    key = cache.key([zoo.key(n, zoo_scale) for n in names + [encoder]], asdict(s),
                     [e.prompt for e in train], [e.prompt for e in test])
     path = cache.folder(GROUP) / f"ref-{'shared' if s.shared else 'separate'}-{s.objective}-{zoo_scale}-{key}"
 
@@ -219,7 +219,7 @@ def cached_ref_haps(names, zoo_scale: str, models: dict, toks: dict, train, test
         t0 = time.time()
         torch.manual_seed(s.seed)
         ref = make().to(device)
-        ws = {n: zoo.recipe(n).with_steps for n in names}
+        ws = {n: zoo.with_steps(n) for n in names}
         pairs = {n: encode(toks[n], train, ws[n]) for n in names}
         mx = {n: max_new_tokens(toks[n], train, ws[n]) for n in names}
         log = H.train_reference(ref, models, toks, train, pairs, h_tr.to(device), labels.to(device),
@@ -257,7 +257,7 @@ def generated_lora_check(haps, models: dict, toks: dict, probe: list, x_probe: t
             dw = [torch.einsum("bor,bri->boi", B, A) for A, B in facs]
             vary = max(float((d[1:] - d[:1]).norm() / d[:1].norm().clamp_min(1e-12)) for d in dw)
             for q, e in enumerate(probe[:per_candidate]):
-                b = packing.pad(encode(toks[n], [e], zoo.recipe(n).with_steps), toks[n].pad_token_id)
+                b = packing.pad(encode(toks[n], [e], zoo.with_steps(n)), toks[n].pad_token_id)
                 ids = b["input_ids"].to(device)
                 one = [(A[q: q + 1], B[q: q + 1]) for A, B in facs]
                 with H.lora_hooks([m for _, m, _, _ in mods], one, scale):
@@ -347,7 +347,7 @@ def latency(haps, models: dict, toks: dict, queries: list, featurize, scale: flo
     cost = []
     with torch.no_grad():
         for n, model in models.items():
-            mx = max_new_tokens(toks[n], queries, zoo.recipe(n).with_steps)
+            mx = max_new_tokens(toks[n], queries, zoo.with_steps(n))
 
             def route_and_generate():
                 x = featurize(prompts).to(device)

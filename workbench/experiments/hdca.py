@@ -79,7 +79,7 @@ def encoder_inputs(model, x, n_blocks: int) -> torch.Tensor:
     layers = vm.encoder.layers
     x = torch.as_tensor(x, dtype=torch.float32, device=next(model.parameters()).device)
     with torch.no_grad():
-        h = vm.pre_layrnorm(vm.embeddings(pixel_values=x))
+        h = vm.pre_layrnorm(vm.embeddings(pixel_values=clip.pixels(model, x)))
         for layer in layers[: len(layers) - n_blocks]:
             h = layer(h, None)
             h = h[0] if isinstance(h, tuple) else h        # transformers 4.x returned a tuple

@@ -51,7 +51,7 @@ COLOR = dict(zip(KEY, ["#1f5a96", "#d1495b", "#e09f3e", "#2e933c"]))
 
 def limits() -> dict:
     """:data:`LIMITS` with the zoo's backbones and the task registry's families as choices."""
-    return {**LIMITS, "model_name": list(zoo.RECIPES), "task_family": tasks.names()}
+    return {**LIMITS, "task_family": tasks.names()}      # model: checked by models.checkpoint
 
 
 def qat_config(S: dict, t0: float | None, compress_ratio: float) -> M.QATConfig:

@@ -88,7 +88,7 @@ def load_bed(base: str, scale: str, pool_families: list, heldout: list,
     lm, _ = zoo.load(base, scale, device=device)
     hooks = hl.RocHooks(lm, [hl.lora_factors(peft_model, f) for f in families])
     return Bed(pool, peft_model, tok, lm, hooks, list(pool_families), families,
-               zoo.recipe(base).with_steps)
+               zoo.with_steps(base))
 
 
 def lora_equivalence(bed: Bed, seed: int) -> tuple[dict, float]:

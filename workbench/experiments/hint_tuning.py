@@ -280,9 +280,8 @@ def grpo_baseline(name: str, scale: str, problems, s: GRPOSettings, recipe=None,
     cached under ``cache.folder("hint-tuning")`` keyed by R's recipe key, the problems and
     ``s``. Returns ``(PeftModel, info)``, info with the training log (mean reward and sampled
     tokens per step) and whether it was cached."""
-    r = zoo.recipe(name, recipe)
-    key = cache.key(r.key(scale), [e.prompt for e in problems], asdict(s))
-    path = cache.folder(GROUP) / f"grpo-{name}-{scale}-{key}"
+    key = cache.key(zoo.key(name, scale, recipe), [e.prompt for e in problems], asdict(s))
+    path = cache.folder(GROUP) / f"grpo-{zoo.label(name)}-{scale}-{key}"
     cached = (path / "done.json").exists()
 
     def build(tmp):
@@ -325,9 +324,9 @@ def distill_baseline(name: str, scale: str, model, tok, problems, k: int, settin
     correct of ``k`` samples of each training problem (:func:`shortest_traces`); the samples
     are drawn once and cached. Returns ``(PeftModel, info)``, info with the share of problems
     kept and the mean target length in tokens."""
-    r = zoo.recipe(name, recipe)
-    key = cache.key(r.key(scale), [e.prompt for e in problems], k, max_new_tokens, settings.seed)
-    path = cache.folder(GROUP) / f"samples-{name}-{scale}-{key}"
+    key = cache.key(zoo.key(name, scale, recipe), [e.prompt for e in problems], k, max_new_tokens,
+                    settings.seed)
+    path = cache.folder(GROUP) / f"samples-{zoo.label(name)}-{scale}-{key}"
 
     def build(tmp):
         ss = sample(model, tok, [e.prompt for e in problems], k, max_new_tokens, seed=settings.seed)

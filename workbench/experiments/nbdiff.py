@@ -109,8 +109,8 @@ def adapted(base: str, zoo_scale: str, path: str, x0, start, S: dict, seed: int,
     key, the path, the sizes in :data:`SETTINGS`, the seed and the training prompts. Returns
     ``(model in eval mode, every step's loss, whether it came from the cache)``."""
     settings = {k: S[k] for k in SETTINGS}
-    key = cache.key(zoo.recipe(base).key(zoo_scale), path, settings, seed, [e.prompt for e in train])
-    where = cache.folder(GROUP) / f"{path}-{base}-{zoo_scale}-{key}"
+    key = cache.key(zoo.key(base, zoo_scale), path, settings, seed, [e.prompt for e in train])
+    where = cache.folder(GROUP) / f"{path}-{zoo.label(base)}-{zoo_scale}-{key}"
     cached = cache.is_built(where)
 
     def build(tmp):
@@ -158,7 +158,7 @@ def lr_sweep(base: str, zoo_scale: str, x0, start, S: dict, seed: int, train, va
 
     settings = {k: S[k] for k in SETTINGS if k != "lr"}
     where = cache.folder(GROUP) / ("sweep-" + cache.key(
-        zoo.recipe(base).key(zoo_scale), settings, S["gen_len"], seed,
+        zoo.key(base, zoo_scale), settings, S["gen_len"], seed,
         [e.prompt for e in train], [e.prompt for e in val]))
     return sweep.sweep(run, list(nd.PATHS), sorted(grid), "val_accuracy", cache_dir=where,
                        desc="learning-rate sweep")

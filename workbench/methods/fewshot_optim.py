@@ -118,7 +118,7 @@ class FewShotClassifier(nn.Module):
     def features(self, x):
         """The image tower's pooled features of ``x`` (before the head)."""
         x = torch.as_tensor(x, dtype=torch.float32, device=self.head.device)
-        return clip.pooled(self.model.get_image_features(pixel_values=x))
+        return clip.pooled(self.model.get_image_features(pixel_values=clip.pixels(self.model, x)))
 
     def classify(self, f):
         """Cosine logits of image features ``f`` against the class weights."""

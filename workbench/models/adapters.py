@@ -34,7 +34,7 @@ from .. import cache, evaluate
 from ..data import packing, tasks
 from ..env import torch_threads
 from ..progress import progress
-from . import clip, zoo
+from . import checkpoint, clip, zoo
 from .finetune import lora_model, train_steps
 
 __all__ = ["POOL_VERSION", "MIXTURES", "PoolSize", "POOL_SIZES", "Pool", "members", "pool_key",
@@ -102,7 +102,7 @@ class Pool:
 
 
 def pool_key(base: str, scale: str, names, rank: int, lora_scale: float, size: PoolSize) -> str:
-    d = dict(base=zoo.recipe(base).key(scale), names=list(names), rank=rank,
+    d = dict(base=zoo.key(base, scale), names=list(names), rank=rank,
              scale=lora_scale, size=asdict(size), version=POOL_VERSION)
     return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
 
@@ -118,7 +118,7 @@ def pool_dir(base: str = "lm-base", model_scale: str = "smoke", families=None, r
     """The cache folder of the pool :func:`adapters` builds with these arguments."""
     names = tuple(families or zoo.ALL_FAMILIES)
     key = pool_key(base, model_scale, names, rank, scale, POOL_SIZES[model_scale])
-    return zoo.zoo_dir() / "adapters" / f"{base}-{model_scale}-{key}"
+    return zoo.zoo_dir() / "adapters" / f"{zoo.label(base)}-{model_scale}-{key}"
 
 
 def adapters(base: str = "lm-base", families=None, rank: int = 8, scale: float = 2.0,
@@ -130,7 +130,8 @@ def adapters(base: str = "lm-base", families=None, rank: int = 8, scale: float =
         members(n)
     if rank < 1:
         raise ValueError(f"rank must be >= 1, got {rank}")
-    zoo.recipe(base).size(model_scale)          # clear errors for a bad base or scale
+    if not checkpoint.is_checkpoint(base):
+        zoo.recipe(base).size(model_scale)      # clear errors for a bad base or scale
     size = POOL_SIZES[model_scale]
     path = pool_dir(base, model_scale, names, rank, scale)
     cache.note_use("lora-pool")             # the base was noted by its recipe lookup
@@ -154,7 +155,7 @@ def _build(base, model_scale, names, rank, lora_scale, size: PoolSize, out: Path
     path, _ = zoo.ensure(base, model_scale)
     device = zoo.build_device(model_scale)         # a GPU for full-scale pools, as for zoo builds
     model, tok = zoo.load(base, model_scale, device=device)
-    with_steps = zoo.recipe(base).with_steps
+    with_steps = zoo.with_steps(base)
     eval_fams = sorted({f for n in names for f in members(n)}, key=zoo.ALL_FAMILIES.index)
     evals = {f: evaluate.heldout_examples(f, evaluate.MIDDLE[f], size.eval_examples, seed=999)[0]
              for f in eval_fams}

@@ -29,7 +29,8 @@ from .. import cache
 from ..data import images
 from ..env import torch_threads
 
-__all__ = ["NAME", "CLIP_VERSION", "ClipSize", "SIZES", "load", "build", "ensure", "model_dir",
+__all__ = ["NAME", "CLIP_VERSION", "ClipSize", "SIZES", "load", "load_model", "pixels", "build",
+           "ensure", "model_dir",
            "list_built", "tokenizer", "tokenize", "image_features", "text_features",
            "class_features", "pooled", "zero_shot_logits", "zero_shot_accuracy", "info_nce",
            "make_model", "evaluate"]
@@ -120,7 +121,7 @@ def image_features(model, x, normalize: bool = True, batch: int = 1024):
     """Projected image embeddings of ``x`` ((N, 3, 16, 16) in [0, 1], array or tensor), L2-
     normalised by default; gradients flow (wrap in ``torch.no_grad()`` to evaluate)."""
     x = torch.as_tensor(x, dtype=torch.float32, device=next(model.parameters()).device)
-    f = torch.cat([pooled(model.get_image_features(pixel_values=x[i: i + batch]))
+    f = torch.cat([pooled(model.get_image_features(pixel_values=pixels(model, x[i: i + batch])))
                    for i in range(0, len(x), batch)])
     return torch.nn.functional.normalize(f, dim=-1) if normalize else f
 
@@ -273,6 +274,41 @@ def load(scale: str = "smoke", device: str = "cpu", sizes: ClipSize | None = Non
     tok = PreTrainedTokenizerFast.from_pretrained(path)
     model.zoo_card = json.loads((path / "card.json").read_text())
     return model, tok
+
+
+def load_model(clip_model: str | None = None, scale: str = "smoke", device: str = "cpu"):
+    """``(CLIPModel, tokenizer)`` of a notebook's ``clip_model``: None (or ``clip-mini``) the
+    zoo's mini-CLIP at ``scale``; a directory a local ``CLIPModel`` with its ``CLIPProcessor``
+    (local files only; refused by :func:`checkpoint.validate` when it cannot be used). A local
+    model keeps its processor's mean and std (``model.pixel_norm``) so that :func:`pixels`
+    feeds it the [0, 1] images of :mod:`workbench.data.images` as it was trained to see them;
+    its card is :func:`checkpoint.card` (key: the content hash; no zero-shot numbers)."""
+    if clip_model is None or clip_model == NAME:
+        return load(scale, device)
+    from transformers import CLIPProcessor
+    from . import checkpoint
+    d = Path(clip_model).expanduser().resolve()
+    checkpoint.validate(d, "clip_model", kind="clip", need="clip")
+    model = CLIPModel.from_pretrained(d, dtype="float32", local_files_only=True).to(device).eval()
+    proc = CLIPProcessor.from_pretrained(d, local_files_only=True)
+    ip = proc.image_processor
+    model.pixel_norm = (list(ip.image_mean), list(ip.image_std))
+    model.zoo_card = {**checkpoint.card(d, model), "kind": "clip", "zero_shot": {}}
+    return model, proc.tokenizer
+
+
+def pixels(model, x):
+    """``x`` ((N, 3, H, W) in [0, 1]) as ``model``'s vision tower takes it: resized
+    (bilinear) to its ``image_size`` and normalised by ``model.pixel_norm`` when it has one (a
+    local CLIP); the mini-CLIP's images pass unchanged."""
+    size = getattr(model.config, "vision_config", model.config).image_size   # or a vision tower
+    if x.shape[-1] != size or x.shape[-2] != size:
+        x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
+    norm = getattr(model, "pixel_norm", None)
+    if norm is not None:
+        mean, std = (torch.tensor(v, dtype=x.dtype, device=x.device)[:, None, None] for v in norm)
+        x = (x - mean) / std
+    return x
 
 
 def build(scale: str = "smoke", force: bool = False) -> dict:

@@ -117,9 +117,9 @@ def cached_lora(base: str, scale: str, prompts: list[str], completions: list[str
     and cached under ``cache.folder(group)`` with a key of the base model's recipe key, the texts
     and ``s`` (``recipe`` builds a model that is not a zoo recipe, as ``zoo.load`` does). Returns
     ``(PeftModel, tokenizer, info)``; ``info["cached"]`` says whether it was loaded."""
-    r = zoo.recipe(base, recipe)
-    key = cache.key(r.key(scale), list(prompts), list(completions), asdict(s))
-    path = cache.folder(group) / f"{tag}-{base}-{scale}-{key}"
+    base_key = zoo.key(base, scale, recipe)
+    key = cache.key(base_key, list(prompts), list(completions), asdict(s))
+    path = cache.folder(group) / f"{tag}-{zoo.label(base)}-{scale}-{key}"
     cached = (path / "done.json").exists()
 
     def build(tmp):
@@ -128,7 +128,7 @@ def cached_lora(base: str, scale: str, prompts: list[str], completions: list[str
         pm, last = train_lora(m, tok_, prompts, completions, s)
         pm.cpu().save_pretrained(tmp / "adapter")
         return {"train_seconds": round(time.time() - t0, 2), "final_losses": last,
-                "n_examples": len(prompts), "settings": asdict(s), "base_key": r.key(scale)}
+                "n_examples": len(prompts), "settings": asdict(s), "base_key": base_key}
 
     cache.build(path, build)
     model, tok = zoo.load(base, scale, recipe=recipe, device=device)

@@ -11,20 +11,29 @@ recipe, the scale's sizes and ``ZOO_VERSION`` (:meth:`Recipe.key`), through :fun
 concurrent callers build once and a half-written model is never read. Beside each model,
 ``card.json``: parameters, tokens seen, held-out perplexity, unigram-baseline perplexity and
 per-task accuracy. ``build``, ``list_built`` and ``clear`` back ``workbench zoo build|list|clear``.
+
+A user's own model: wherever a notebook passes a zoo name, a local checkpoint directory does too
+(:mod:`workbench.models.checkpoint`). ``load(path)`` reads it with ``AutoModelForCausalLM`` /
+``AutoTokenizer``, local files only; :func:`key` is then the checkpoint's content hash (what the
+caches of things built from it are keyed by), :func:`with_steps` and ``model.zoo_card`` come from
+its ``card.json`` when it has one (:func:`export` writes a zoo model as such a directory).
 """
 from __future__ import annotations
 
 import json
+import shutil
+import warnings
 from pathlib import Path
 
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from .. import cache
+from . import checkpoint
 from .recipes import ALL_FAMILIES, RECIPES, Recipe, recipe
 from .training import train_and_save
 
 __all__ = ["ALL_FAMILIES", "RECIPES", "recipe", "zoo_dir", "model_dir", "load", "ensure", "build",
-           "list_built", "clear"]
+           "list_built", "clear", "key", "with_steps", "label", "export"]
 
 
 def zoo_dir() -> Path:
@@ -45,12 +54,75 @@ def build_device(scale: str) -> str:
     return "cuda" if scale == "full" and torch.cuda.is_available() else "cpu"
 
 
+def key(name: str, scale: str = "smoke", given: Recipe | None = None) -> str:
+    """What keys the caches of things built from model ``name``: a zoo recipe's key at
+    ``scale``, or a checkpoint directory's content hash (the scale does not change it)."""
+    if given is None and checkpoint.is_checkpoint(name):
+        return checkpoint.content_hash(name)
+    return recipe(name, given).key(scale)
+
+
+def with_steps(name: str, given: Recipe | None = None) -> bool:
+    """Whether model ``name`` writes the steps of a task (its recipe's, or for a checkpoint its
+    card's; False for a checkpoint without a card)."""
+    if given is None and checkpoint.is_checkpoint(name):
+        return bool(checkpoint.card(name)["recipe"].get("with_steps"))
+    return recipe(name, given).with_steps
+
+
+def label(name: str) -> str:
+    """The model's name in folder names and tables (a checkpoint: its directory's name)."""
+    return checkpoint.label(name)
+
+
+def export(name: str, dest, scale: str = "smoke") -> Path:
+    """Write zoo model ``name`` as a plain Hugging Face directory ``dest`` (``save_pretrained``
+    of the model and the tokenizer) with its ``card.json`` beside them; return the path."""
+    dest = Path(dest)
+    model, tok = load(name, scale)
+    model.save_pretrained(dest)
+    tok.save_pretrained(dest)
+    shutil.copy(model_dir(name, scale) / "card.json", dest / "card.json")
+    return dest
+
+
+def _tokenizer(d: Path):
+    """The checkpoint's tokenizer: ``AutoTokenizer``, except that a plain ``tokenizer.json``
+    saved as such (class ``PreTrainedTokenizerFast`` / ``TokenizersBackend``, as the zoo's) is
+    read as it is: ``AutoTokenizer`` would otherwise pick the class of the model type (a Qwen2
+    checkpoint gets Qwen2's own pre-tokenizer in place of the one the model was trained with)."""
+    cfg = d / "tokenizer_config.json"
+    cls = json.loads(cfg.read_text()).get("tokenizer_class") if cfg.exists() else None
+    if cls in ("PreTrainedTokenizerFast", "TokenizersBackend") and (d / "tokenizer.json").exists():
+        return PreTrainedTokenizerFast.from_pretrained(d, local_files_only=True)
+    return AutoTokenizer.from_pretrained(d, local_files_only=True)
+
+
+def _load_checkpoint(path, device: str):
+    """``(model, tokenizer)`` from a local checkpoint directory (float32, eval, left padding;
+    pad = eos with a warning when the tokenizer has none)."""
+    d = Path(path).expanduser().resolve()
+    checkpoint.validate(d)
+    model = AutoModelForCausalLM.from_pretrained(d, dtype="float32", local_files_only=True)
+    model = model.to(device).eval()
+    tok = _tokenizer(d)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        warnings.warn(checkpoint.pad_warning(d), stacklevel=3)
+        tok.pad_token = tok.eos_token
+    model.zoo_card = checkpoint.card(d, model)
+    return model, tok
+
+
 def load(name: str, scale: str = "smoke", recipe: Recipe | None = None, device: str = "cpu"):
-    """``(model, tokenizer)`` for zoo model ``name`` at ``scale``, built on first use.
+    """``(model, tokenizer)`` for zoo model ``name`` at ``scale``, built on first use, or for a
+    local checkpoint directory ``name`` (the scale is then not used).
 
     The model is in eval mode on ``device``; its ``card.json`` is at
     ``model_dir(name, scale) / "card.json"`` (also ``model.zoo_card``).
     """
+    if recipe is None and checkpoint.is_checkpoint(name):
+        return _load_checkpoint(name, device)
     path, _ = ensure(name, scale, recipe)
     model = AutoModelForCausalLM.from_pretrained(path, dtype="float32").to(device).eval()
     tok = PreTrainedTokenizerFast.from_pretrained(path)
@@ -61,7 +133,10 @@ def load(name: str, scale: str = "smoke", recipe: Recipe | None = None, device: 
 
 def ensure(name: str, scale: str = "smoke", given: Recipe | None = None,
            force: bool = False) -> tuple[Path, bool]:
-    """Make sure the model is built (:func:`cache.build`); return ``(path, built_now)``."""
+    """Make sure the model is built (:func:`cache.build`); return ``(path, built_now)`` (a
+    checkpoint directory is there already: its path, False)."""
+    if given is None and checkpoint.is_checkpoint(name):
+        return Path(name).expanduser().resolve(), False
     r = recipe(name, given)
     return cache.build(model_dir(name, scale, r),
                        lambda tmp: train_and_save(r, scale, tmp, load=load),

@@ -30,7 +30,7 @@ import gguf
 import numpy as np
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 from transformers.pytorch_utils import Conv1D
 
 from .grid import Quantized
@@ -355,7 +355,9 @@ def stored_weight(q: Quantized, qtype: str) -> torch.Tensor:
 
 # -- a transformers causal LM as a llama.cpp GGUF file --------------------------------------------
 
-ARCHS = {"llama": "LLAMA", "qwen2": "QWEN2", "gpt2": "GPT2"}     # model_type -> gguf.MODEL_ARCH
+# model_type -> gguf.MODEL_ARCH; Mistral is written as Llama, as llama.cpp's converter does (the
+# same tensors; its sliding window is not carried, which only matters past the window)
+ARCHS = {"llama": "LLAMA", "qwen2": "QWEN2", "gpt2": "GPT2", "mistral": "LLAMA"}
 
 
 def gguf_arch(config):
@@ -643,6 +645,13 @@ def load_transformers(path: str | Path, dtype=torch.float32, config=None):
             config = AutoConfig.from_pretrained(str(p.parent), **kw)
             config.n_positions = int(meta["gpt2.context_length"])
             config.n_inner = int(meta["gpt2.feed_forward_length"])
+        elif meta.get("general.architecture") == "llama":
+            # transformers reads a Llama-arch file whose general.name says "mistral" as Mistral,
+            # whose tensor map this gguf-py lacks: read it as the Llama it is written as
+            parsed = AutoConfig.from_pretrained(str(p.parent), **kw)
+            if parsed.model_type != "llama":
+                config = LlamaConfig(**{k: v for k, v in parsed.to_dict().items()
+                                        if k != "model_type"})
     if config is not None:
         kw["config"] = config
     model = AutoModelForCausalLM.from_pretrained(str(p.parent), dtype=dtype, **kw)
