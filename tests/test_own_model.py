@@ -13,7 +13,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from transformers import MistralConfig, MistralForCausalLM
 
-from workbench import batch, cli, runtime
+from workbench import batch, cli, evaluate, runtime
+from workbench.experiments import hint_tuning
 from workbench.models import adapters, checkpoint, clip, finetune, zoo
 from workbench.notebooks import resolve
 
@@ -114,6 +115,31 @@ def test_a_tokenizer_without_a_pad_token_warns_and_the_loader_uses_eos(llama_dir
     with pytest.warns(UserWarning, match="no pad token"):
         _, tok = zoo.load(str(llama_dir))
     assert tok.pad_token == tok.eos_token is not None
+
+
+def test_a_tokenizer_without_a_bos_token_warns_and_prompts_start_with_eos(llama_dir):
+    cfg = json.loads((llama_dir / "tokenizer_config.json").read_text())
+    cfg.pop("bos_token", None)                      # as Qwen2's tokenizers ship
+    (llama_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (w,) = checkpoint.validate(llama_dir, "model")
+    assert "no bos token" in w and "eos" in w
+    with pytest.warns(UserWarning, match="no bos token"):
+        model, tok = zoo.load(str(llama_dir))
+    assert tok.bos_token == tok.eos_token is not None
+    assert len(evaluate.generate(model, tok, ["add 1 2 ="], max_new_tokens=2)) == 1
+
+
+def test_a_chat_template_frames_the_instruct_models_questions(llama_dir):
+    cfg = json.loads((llama_dir / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = ("{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}"
+                            "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    (llama_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = zoo.tokenizer(str(llama_dir))
+    # the template's own <bos> is dropped: generate and the trainers put one before every prompt
+    assert evaluate.chat_prompt(tok, "add 1 2 =") == "<|user|>add 1 2 =<|assistant|>"
+    assert evaluate.chat_prompt(zoo.tokenizer("lm-micro"), "add 1 2 =") == "add 1 2 ="
+    prompts, _ = hint_tuning.reader_data(["add"], 2, render=lambda t: evaluate.chat_prompt(tok, t))
+    assert prompts and all(p.startswith("<|user|>") and p.endswith("<|assistant|>") for p in prompts)
 
 
 def test_a_model_too_large_for_the_device_is_refused_from_its_config(llama_dir, monkeypatch):
@@ -289,6 +315,7 @@ def run_notebook(slug, model, out, strict=True, monkeypatch=None):
 
 @pytest.mark.slow
 @pytest.mark.notebook
+@pytest.mark.architectures
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "mistral"])
 @pytest.mark.parametrize("slug", ["14-gsq", "16-fura", "07-hilora", "19-nbdiff"])
 def test_four_architectures_through_the_notebooks(slug, arch, own_models, tmp_path, capsys,

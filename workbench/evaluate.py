@@ -20,7 +20,7 @@ from .models.recipes import ALL_FAMILIES, difficulties
 __all__ = ["MIDDLE", "LONG_LEVEL", "heldout_examples", "evaluate_tasks", "in_context_examples",
            "in_context_accuracy", "evaluate_in_context", "forced_direct", "direct_section",
            "long_trace_section", "quant_sensitivity", "perplexity", "unigram_perplexity",
-           "generate", "task_accuracy", "item_scores", "exact_match"]
+           "generate", "chat_prompt", "task_accuracy", "item_scores", "exact_match"]
 
 
 # the "middle" difficulty of each family (issue 18): 3-digit add/sub, strings of 5, kv with 4
@@ -154,6 +154,18 @@ def unigram_perplexity(train_ids, heldout_ids, vocab: int) -> float:
     counts = torch.bincount(torch.as_tensor(train_ids), minlength=vocab).double() + 1
     logp = (counts / counts.sum()).log()
     return math.exp(-float(logp[torch.as_tensor(heldout_ids)].mean()))
+
+
+def chat_prompt(tok, text: str) -> str:
+    """``text`` as a user turn in ``tok``'s chat template, up to where the assistant's answer
+    starts (``add_generation_prompt``), for a model tuned to chat; ``text`` itself where the
+    tokenizer has no template (every zoo model). A leading ``<bos>`` that the template writes is
+    dropped: :func:`generate` and the trainers put one before every prompt."""
+    if not getattr(tok, "chat_template", None):
+        return text
+    out = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                  add_generation_prompt=True)
+    return out[len(tok.bos_token):] if tok.bos_token and out.startswith(tok.bos_token) else out
 
 
 def generate(model, tok, prompts: list[str], max_new_tokens: int = 16,

@@ -43,7 +43,7 @@ from .. import cache, plots
 from ..data import tasks
 from ..data.tasks import ANSWER_MARK, STEP_SEP
 from ..diagnostics import spearman_ci
-from ..evaluate import generate
+from ..evaluate import chat_prompt, generate
 from ..methods import hint_tuning as ht
 from ..methods import hint_tuning_baselines as hb
 from ..models import zoo
@@ -78,11 +78,13 @@ def relative_level(e) -> float:
 
 # -- the hint reader ------------------------------------------------------------------------------
 
-def reader_data(families, n_per_level: int, seed: int = 0) -> tuple[list[str], list[str]]:
+def reader_data(families, n_per_level: int, seed: int = 0,
+                render=lambda text: text) -> tuple[list[str], list[str]]:
     """Training pairs for the hint reader: reference problems of ``families`` (the registry's
     solver, the train side of :func:`workbench.data.tasks.problem_split`, never R's outputs),
     each with a random prefix of k = 1..n of its steps after the prompt and its answer as the
-    target. The reader learns to *read* steps, never to write them."""
+    target. The reader learns to *read* steps, never to write them. ``render`` puts a prompt in
+    the instruct model's chat template (:func:`workbench.evaluate.chat_prompt`)."""
     rng = random.Random(seed)
     prompts, comps = [], []
     for f in families:
@@ -92,7 +94,7 @@ def reader_data(families, n_per_level: int, seed: int = 0) -> tuple[list[str], l
                 if not e.steps:
                     continue
                 k = rng.randint(1, len(e.steps))
-                prompts.append(ht.hint_prompt(e.prompt, e.steps[:k]))
+                prompts.append(render(ht.hint_prompt(e.prompt, e.steps[:k])))
                 comps.append(" " + e.target)
     return prompts, comps
 
@@ -104,7 +106,8 @@ def hint_reader(instruct: str = "lm-instruct", scale: str = "smoke",
     The zoo's instruct model has never seen written steps (fed a prefix of them it writes prose),
     so a hint needs a reader; with the adapter disabled it is the instruct model unchanged, which
     is how the probe asks the unaided question. Returns ``(PeftModel, tokenizer, info)``."""
-    prompts, comps = reader_data(families, n_per_level)
+    tok = zoo.tokenizer(instruct, scale)
+    prompts, comps = reader_data(families, n_per_level, render=lambda t: chat_prompt(tok, t))
     return cached_lora(instruct, scale, prompts, comps, s, tag="reader", group=GROUP, device=device)
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..data.tasks import ANSWER_MARK, STEP_SEP, final_answer
-from ..evaluate import generate
+from ..evaluate import chat_prompt, generate
 
 __all__ = ["NO_HINT", "SPARSE_HINT", "FULL_HINT", "STATES", "split_reasoning", "render",
            "sparse_hints", "hint_prompt", "label_state", "training_target", "count_tokens",
@@ -120,14 +120,16 @@ def probe(reader, tok, examples, r_completions: list[str], max_new_tokens: int =
     """Label every problem (:func:`label_state`) from R's completions and the instruct model's
     greedy answers: unaided (``reader`` with its adapter disabled: the instruct model itself) and
     under every sparse prefix and the full hint (the hint reader), each in one batched
-    ``generate``."""
+    ``generate``. The instruct model reads each question in its chat template where its
+    tokenizer has one (:func:`workbench.evaluate.chat_prompt`)."""
     parsed = [split_reasoning(c) for c in r_completions]
     with reader.disable_adapter():
-        direct = generate(reader, tok, [e.prompt for e in examples], max_new_tokens)
+        direct = generate(reader, tok, [chat_prompt(tok, e.prompt) for e in examples],
+                          max_new_tokens)
     inputs, owner = [], []
     for i, (e, (steps, _)) in enumerate(zip(examples, parsed)):
         for h in sparse_hints(steps) + ([steps] if steps else []):
-            inputs.append(hint_prompt(e.prompt, h))
+            inputs.append(chat_prompt(tok, hint_prompt(e.prompt, h)))
             owner.append(i)
     hinted = generate(reader, tok, inputs, max_new_tokens) if inputs else []
     agree: list[list[bool]] = [[final_answer(d) == a and a != ""]

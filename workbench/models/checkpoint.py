@@ -14,7 +14,7 @@ exist; a directory without ``config.json``; one without a tokenizer (an LM) or i
 (:data:`REQUIREMENTS`, for instance the separate q/k/v/o projections a LoRA method adapts); a
 model whose float32 weights (estimated from the config, on the meta device: nothing is loaded)
 do not fit the device's memory. A tokenizer without a pad token is accepted with a warning: the
-loader sets pad = eos (:func:`pad_warning`).
+loader sets pad = eos (:func:`pad_warning`); one without a bos token, bos = eos (:func:`bos_warning`).
 
 Importing this module imports neither torch nor transformers; :func:`validate` imports them only
 for a checkpoint's architecture and size.
@@ -29,7 +29,7 @@ from pathlib import Path
 from .. import cache
 
 __all__ = ["CheckpointError", "REQUIREMENTS", "NOTEBOOK_NEEDS", "RENAMED", "is_checkpoint",
-           "label", "content_hash", "card", "pad_warning", "validate", "validate_params",
+           "label", "content_hash", "card", "pad_warning", "bos_warning", "validate", "validate_params",
            "absolute", "estimate", "device_bytes"]
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -205,6 +205,18 @@ def pad_warning(value, param: str = "model") -> str | None:
             f"another)")
 
 
+def bos_warning(value, param: str = "model") -> str | None:
+    """The warning for a tokenizer without a bos token (Qwen2's, for one), or None. Every
+    notebook starts a prompt with ``<bos>``; the loader then uses the eos token, the document
+    separator such a model saw between pretraining documents."""
+    d = _dir(value)
+    if _special(d, "bos_token") is not None:
+        return None
+    return (f"{param}: the tokenizer in {d} has no bos token; prompts start with its eos token "
+            f"{_special(d, 'eos_token')!r} instead (set tok.bos_token and save it to choose "
+            f"another)")
+
+
 def _meta_model(d: Path, kind: str):
     """The model built from ``d``'s config on the meta device (no weights read)."""
     import torch
@@ -304,6 +316,9 @@ def validate(value, param: str = "model", kind: str = "lm", need: str = "lm",
             if _special(d, "eos_token") is None:
                 raise CheckpointError(f"{at}{param} = {value!r}: the tokenizer has neither a pad "
                                       "nor an eos token; set tok.pad_token and save it")
+            warnings.append(w)
+        w = bos_warning(d, param)
+        if w and _special(d, "eos_token") is not None:
             warnings.append(w)
     try:
         est = estimate(d, kind)

@@ -98,20 +98,40 @@ def _tokenizer(d: Path):
     return AutoTokenizer.from_pretrained(d, local_files_only=True)
 
 
+def _checkpoint_tokenizer(d: Path):
+    """:func:`_tokenizer` with left padding, pad = eos and bos = eos (each with a warning) where
+    the tokenizer has none: every notebook pads batches and starts prompts with ``<bos>``."""
+    tok = _tokenizer(d)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        warnings.warn(checkpoint.pad_warning(d), stacklevel=4)
+        tok.pad_token = tok.eos_token
+    if tok.bos_token is None:
+        warnings.warn(checkpoint.bos_warning(d), stacklevel=4)
+        tok.bos_token = tok.eos_token
+    return tok
+
+
 def _load_checkpoint(path, device: str):
-    """``(model, tokenizer)`` from a local checkpoint directory (float32, eval, left padding;
-    pad = eos with a warning when the tokenizer has none)."""
+    """``(model, tokenizer)`` from a local checkpoint directory (float32, eval; the tokenizer
+    as :func:`_checkpoint_tokenizer` sets it up)."""
     d = Path(path).expanduser().resolve()
     checkpoint.validate(d)
     model = AutoModelForCausalLM.from_pretrained(d, dtype="float32", local_files_only=True)
     model = model.to(device).eval()
-    tok = _tokenizer(d)
-    tok.padding_side = "left"
-    if tok.pad_token is None:
-        warnings.warn(checkpoint.pad_warning(d), stacklevel=3)
-        tok.pad_token = tok.eos_token
+    tok = _checkpoint_tokenizer(d)
     model.zoo_card = checkpoint.card(d, model)
     return model, tok
+
+
+def tokenizer(name: str, scale: str = "smoke"):
+    """Model ``name``'s tokenizer alone (a zoo model is built on first use), as :func:`load`
+    gives it."""
+    if checkpoint.is_checkpoint(name):
+        return _checkpoint_tokenizer(Path(name).expanduser().resolve())
+    tok = PreTrainedTokenizerFast.from_pretrained(ensure(name, scale)[0])
+    tok.padding_side = "left"
+    return tok
 
 
 def load(name: str, scale: str = "smoke", recipe: Recipe | None = None, device: str = "cpu"):
