@@ -85,7 +85,7 @@ def test_fast_math_is_nothing_on_the_cpu():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("number", ["01", "03", "05", "07", "13"])
+@pytest.mark.parametrize("number", ["01", "03", "05", "07", "13", "15"])
 def test_a_notebook_leaves_nothing_on_the_host(number, tmp_path):
     """The notebooks fixed for issue 34 at smoke under the audit (about 2-3x their plain time):
     no module computes with a host parameter, no call mixes device and host tensors, no device
@@ -129,4 +129,15 @@ def test_a_deep_copy_stays_on_the_device(audit):
     import copy
     m = copy.deepcopy(torch.nn.Linear(4, 3).to(DEV))                # FewShotClassifier's copy
     m(torch.randn(2, 4).to(DEV))
+    assert P.report() == []
+
+
+def test_calls_inside_vmap_are_not_audited_and_its_results_can_be_moved(audit):
+    from torch.func import grad, vmap
+    w = torch.nn.Parameter(torch.randn(4, 3).to(DEV))
+    x, b = torch.randn(5, 4).to(DEV), torch.randn(3).to(DEV)
+    # vmap's wrappers carry no marks: b (marked) next to them would read as a mix
+    g = vmap(grad(lambda w_, xi: (xi @ w_ + b).sum()), in_dims=(None, 0))(w.detach(), x)
+    assert P.report() == []
+    (g.to(x.device) + w).sum()                  # fewshot_optim.per_example_sq_grads' move
     assert P.report() == []

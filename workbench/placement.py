@@ -22,7 +22,9 @@ it: ``host-parameter``, a module computing with a parameter that never reached t
 tensors of both kinds with more than one element (a device-mismatch error on a GPU); ``numpy``,
 a device tensor read by numpy without ``.cpu()`` (an error on a GPU). Work that is
 meant to run on the host (float64 linear algebra, scikit-learn features) goes inside
-``with placement.host():``, which the audit skips. Slower than a plain run (a Python call per
+``with placement.host():``, which the audit skips. Inside ``torch.func`` transforms (vmap, grad)
+tensors are wrappers the marks do not reach: those calls are not audited, what goes in and comes
+out is. Slower than a plain run (a Python call per
 torch call): tests use it on small sizes.
 """
 from __future__ import annotations
@@ -68,6 +70,12 @@ def _mark(t, on: bool = True) -> None:
             setattr(t, _MARK, on)
         except (AttributeError, RuntimeError):
             pass
+
+
+def _functorch_wrapped(t) -> bool:
+    """Whether ``t`` is one of ``torch.func``'s wrappers (vmap's batched, grad's tracking
+    tensors), which carry no attributes of the tensor they wrap."""
+    return torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
 def _where() -> str:
@@ -134,6 +142,8 @@ class Audit(TorchFunctionMode):
                 return out
             return SENTINEL if on_device(args[0]) else _HOST     # x.device tells where x is
         ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if any(_functorch_wrapped(t) for t in ins):
+            return out        # inside vmap/grad the marks do not reach: the boundary is audited
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if name in ("cpu", "to"):
             like = [a for a in args[1:] if isinstance(a, torch.Tensor)]   # .to(other_tensor)

@@ -248,6 +248,7 @@ def per_example_sq_grads(clf, x, y, chunk: int = 256) -> torch.Tensor:
     acc = torch.zeros(sum(params[n].numel() for n in names), device=dev)
     for i in range(0, len(x), chunk):
         g = per_example(params, x[i: i + chunk], y[i: i + chunk])
+        g = {n: v.to(dev) for n, v in g.items()}       # where they are already (for the audit)
         acc += torch.cat([(g[n] ** 2).sum(0).reshape(-1) for n in names])
     return acc / len(x)
 
