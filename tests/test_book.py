@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -141,8 +142,19 @@ def test_a_chapter_keeps_the_story_and_drops_the_noise(run_dir):
 def site(run_dir, tmp_path_factory) -> Path:
     pytest.importorskip("myst_nb", reason=book.EXTRA_HINT)
     out = tmp_path_factory.mktemp("book")
-    assert main(["book", str(run_dir), "--out", str(out)]) == 0
+    # the CLI in its own process, as a reader runs it (Sphinx keeps global state)
+    done = subprocess.run([sys.executable, "-m", "workbench.cli", "book", str(run_dir), "--out",
+                           str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "book: " in done.stdout
     return out / "html"
+
+
+def test_the_cli_says_what_is_wrong_with_a_folder_without_notebooks(tmp_path, capsys):
+    assert main(["book", str(tmp_path / "absent")]) == 2
+    assert main(["book", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "not a directory" in err and "holds no executed notebook" in err
 
 
 @pytest.mark.slow

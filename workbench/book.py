@@ -43,6 +43,8 @@ SHARED = {   # page -> (title, modules shown on it)
               ["workbench/batch.py", "workbench/cluster.py", "workbench/report.py",
                "workbench/results.py"]),
 }
+NO_CHAPTERS = ("{run_dir} holds no executed notebook (SLUG/<scale>/seed-N/SLUG.ipynb); give the "
+               "--out folder of a `workbench run`")
 EXTRA_HINT = "the book needs Sphinx and myst-nb: pip install -e '.[book]' (in dev)"
 
 
@@ -176,7 +178,7 @@ def matrix_html(recs: dict[str, dict], have: set[str], titles: dict[str, str]) -
     """The claims matrix: a row per recorded notebook, a cell per claim coloured by the seeds
     it held on; a cell links to the claim's row in its chapter (when the run has that chapter)."""
     width = max((len(r.get("claims", {})) for r in recs.values()), default=0)
-    head = "".join(f"<th>C{i + 1}</th>" for i in range(width))
+    head = f'<th colspan="{width}">claims (id: seeds held / seeds recorded)</th>'
     rows = []
     for slug, r in recs.items():
         name = html.escape(titles.get(slug, slug))
@@ -216,6 +218,7 @@ def modules_of(nb: dict) -> list[str]:
     for kind, name in re.findall(r"from workbench\.(methods|experiments) import (\w+)", code):
         out.append(f"workbench/{kind}/{name}.py")
         out.append(f"tests/test_{'experiments_' if kind == 'experiments' else ''}{name}.py")
+    out.sort(key=lambda p: ("experiments" in p, p.startswith("tests/")))   # the method first
     return [p for p in dict.fromkeys(out) if (root / p).is_file()]
 
 
@@ -376,7 +379,8 @@ CSS = """
   border: 1px solid #ddd; font-size: 0.85em; vertical-align: top; }
 .wb-matrix td a, .wb-verdicts a { color: inherit; }
 .wb-legend span { padding: 1px 6px; margin-right: 4px; }
-.wb-verdicts details { font-size: 0.9em; } .wb-plotly { min-height: 360px; }
+.wb-verdicts details { font-size: 0.9em; }
+.wb-verdicts tr { scroll-margin-top: 5rem; } .wb-verdicts tr:target { outline: 3px solid #1a73e8; } .wb-plotly { min-height: 360px; }
 """
 
 
@@ -407,8 +411,7 @@ def write_sources(run_dir: Path, src: Path) -> list[Chapter]:
     root = project_root()
     chs = chapters(run_dir)
     if not chs:
-        raise FileNotFoundError(f"{run_dir} holds no executed notebook (SLUG/<scale>/seed-N/"
-                                "SLUG.ipynb); give the --out folder of a `workbench run`")
+        raise FileNotFoundError(NO_CHAPTERS.format(run_dir=run_dir))
     recs = records()
     titles = {}
     from .notebooks import discover          # titles of the checkout's notebooks
@@ -458,6 +461,8 @@ def build(run_dir: Path, out: Path | None = None, jobs: int = 2, quiet: bool = T
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{run_dir} is not a directory; give the --out folder of a run")
+    if not chapters(run_dir):
+        raise FileNotFoundError(NO_CHAPTERS.format(run_dir=run_dir))
     out = Path(out) if out is not None else run_dir / "book"
     try:
         from sphinx.cmd.build import build_main
