@@ -74,10 +74,10 @@ def executed(slug: str, title: str) -> dict:
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
-    """A run folder as `workbench run 12,08 --seeds 0,1` writes it (seed 1 of 12 failed)."""
+    """A run folder as `workbench run 12,16 --seeds 0,1` writes it (seed 1 of 12 failed)."""
     root = tmp_path_factory.mktemp("run")
     for slug, title, seeds in [("12-nfi", "12 · Numerical Feature Inflation", (0, 1)),
-                               ("08-htfm", "08 · Heavy-tailed flow matching", (1,))]:
+                               ("16-fura", "16 · FuRA: full-rank adaptation", (1,))]:
         for seed in seeds:
             d = root / slug / "smoke" / f"seed-{seed}"
             d.mkdir(parents=True)
@@ -99,9 +99,9 @@ def run_dir(tmp_path_factory) -> Path:
 
 def test_a_chapter_is_the_default_run_at_the_lowest_seed(run_dir):
     chs = {c.slug: c for c in book.chapters(run_dir)}
-    assert set(chs) == {"12-nfi", "08-htfm"}
+    assert set(chs) == {"12-nfi", "16-fura"}
     assert chs["12-nfi"].rel == "12-nfi/smoke/seed-0" and chs["12-nfi"].seed == 0
-    assert chs["08-htfm"].rel == "08-htfm/smoke/seed-1"
+    assert chs["16-fura"].rel == "16-fura/smoke/seed-1"
 
 
 def test_intervals_are_found_wherever_the_evidence_holds_them():
@@ -119,7 +119,7 @@ def test_the_matrix_has_every_recorded_notebook_and_links_only_present_chapters(
     html = book.matrix_html(recs, {"12-nfi"}, {})
     assert html.count("<tr>") == 1 + 19                          # the head and one per paper
     assert 'href="chapters/12-nfi.html#claim-12-nfi-c1"' in html
-    assert 'href="chapters/08-htfm.html' not in html
+    assert 'href="chapters/08-htfm.html' not in html             # not in the run: no link
     k, n = book.held(recs["08-htfm"]["claims"]["C3"])
     assert f"C3 {k}/{n}" in html and book._held_class(k, n) in html
 
@@ -159,7 +159,7 @@ def test_the_cli_says_what_is_wrong_with_a_folder_without_notebooks(tmp_path, ca
 
 @pytest.mark.slow
 def test_the_site_has_every_page_and_loads_nothing_from_the_network(site):
-    for page in ["index", "search", "chapters/12-nfi", "chapters/08-htfm", "parts/zoo",
+    for page in ["index", "search", "chapters/12-nfi", "chapters/16-fura", "parts/zoo",
                  "parts/quantizers", "parts/batch", "docs/findings", "docs/book",
                  "code/workbench.methods.nfi", "code/tests.test_nfi"]:
         assert (site / f"{page}.html").is_file(), page
@@ -169,6 +169,9 @@ def test_the_site_has_every_page_and_loads_nothing_from_the_network(site):
     index = (site / "index.html").read_text()
     assert 'href="chapters/12-nfi.html#claim-12-nfi-c1"' in index
     assert 'id="claim-12-nfi-c1"' in (site / "chapters" / "12-nfi.html").read_text()
+    fura = (site / "chapters" / "16-fura.html").read_text()
+    iv = dict(book.intervals(book.records()["16-fura"]["claims"]["C3"]["evidence"][0]))
+    assert "intervals (" in fura and book._interval_text(iv["paired_fura_minus.full"]) in fura
     zoo = (site / "parts" / "zoo.html").read_text()
     assert "lm-base" in zoo and "code/workbench.models.recipes.html" in zoo
 
@@ -232,6 +235,6 @@ def test_every_page_opens_offline_in_chromium_with_maths_and_plotly(site):
         page.goto((site / "search.html").as_uri() + "?q=absorption")
         page.wait_for_selector("#search-results li a")
         browser.close()
-    assert {"12-nfi.html", "08-htfm.html"} <= set(with_maths)
+    assert {"12-nfi.html", "16-fura.html"} <= set(with_maths)
     assert remote == [], remote
     assert problems == [], "\n".join(problems)
