@@ -126,7 +126,7 @@ def _num(v) -> str:
     return f"{v:.3g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
 
 
-def _interval_text(iv: dict) -> str:
+def interval_text(iv: dict) -> str:
     point = next((iv[k] for k in ("diff", "mean", "estimate", "point") if k in iv), None)
     rng = f"[{_num(iv['low'])}, {_num(iv['high'])}]"
     return f"{_num(point)} {rng}" if point is not None else rng
@@ -138,13 +138,39 @@ def claim_anchor(slug: str, cid: str) -> str:
     return f"claim-{slug}-{cid}".lower()
 
 
-def _held_class(k: int, n: int) -> str:
+def held_class(k: int, n: int) -> str:
     return f"wb-held-{round(3 * k / n) if n else 'none'}"
 
 
+def _mark(h) -> str:
+    return "holds" if h else "—" if h is None else "does not hold"
+
+
+def _rounded(v):
+    """Evidence with its floats at 4 significant digits, for reading."""
+    if isinstance(v, float):
+        return float(f"{v:.4g}")
+    if isinstance(v, dict):
+        return {k: _rounded(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_rounded(x) for x in v]
+    return v
+
+
+def _evidence_html(seeds: list, claim: dict) -> str:
+    """The claim's intervals seed by seed, then its whole evidence per seed (both folded)."""
+    ivs = [f"<li>seed {s}: {html.escape(name)} {interval_text(iv)}</li>"
+           for s, ev in zip(seeds, claim.get("evidence", [])) for name, iv in intervals(ev)]
+    out = (f"<details><summary>intervals ({len(ivs)})</summary><ul>{''.join(ivs)}</ul>"
+           "</details>") if ivs else ""
+    evs = "".join(f"<p>seed {s}</p><pre>{html.escape(json.dumps(_rounded(ev), default=str))}</pre>"
+                  for s, ev in zip(seeds, claim.get("evidence", [])) if ev)
+    return out + (f"<details><summary>evidence</summary>{evs}</details>" if evs else "")
+
+
 def verdict_html(slug: str, record: dict | None, chapter: Chapter | None = None) -> str:
-    """The chapter's verdict table: per claim the recorded seeds' verdicts, ``held n/N`` (the
-    cell coloured by it), the intervals of its evidence seed by seed, and this run's verdict."""
+    """The chapter's verdict table: per claim the recorded seeds' verdicts, "holds on n of N
+    seeds" (the cell coloured by n), its intervals and evidence seed by seed, this run's verdict."""
     if not record or not record.get("claims"):
         return f"<p>No recorded runs of {slug} (notebooks/results/{slug}.json).</p>"
     seeds = record.get("seeds", [])
@@ -155,20 +181,12 @@ def verdict_html(slug: str, record: dict | None, chapter: Chapter | None = None)
     rows = []
     for cid, c in record["claims"].items():
         k, n = held(c)
-        marks = "".join(f"<td>{'holds' if h else '—' if h is None else 'does not hold'}</td>"
-                        for h in c.get("holds", []))
-        ivs = [f"<li>seed {s}: {html.escape(name)} {_interval_text(iv)}</li>"
-               for s, ev in zip(seeds, c.get("evidence", [])) for name, iv in intervals(ev)]
-        ivs_html = (f"<details><summary>intervals ({len(ivs)})</summary><ul>{''.join(ivs)}"
-                    "</ul></details>") if ivs else ""
-        run = ""
-        if chapter:
-            h = mine.get(cid)
-            run = f"<td>{'holds' if h else '—' if h is None else 'does not hold'}</td>"
+        marks = "".join(f"<td>{_mark(h)}</td>" for h in c.get("holds", []))
+        run = f"<td>{_mark(mine.get(cid))}</td>" if chapter else ""
         rows.append(f'<tr id="{claim_anchor(slug, cid)}"><td><b>{html.escape(cid)}</b></td>'
-                    f"<td>{html.escape(c.get('text', ''))}{ivs_html}</td>"
+                    f"<td>{html.escape(c.get('text', ''))}{_evidence_html(seeds, c)}</td>"
                     f"<td>{'yes' if c.get('robust') else 'no'}</td>{marks}"
-                    f'<td class="{_held_class(k, n)}">holds on {k} of {n} seeds</td>{run}</tr>')
+                    f'<td class="{held_class(k, n)}">holds on {k} of {n} seeds</td>{run}</tr>')
     return (f'<table class="wb-verdicts"><thead><tr><th>claim</th><th>what is claimed</th>'
             f"<th>robust</th>{head}<th>over seeds</th>{this}</tr></thead><tbody>"
             + "".join(rows) + "</tbody></table>")
@@ -191,10 +209,10 @@ def matrix_html(recs: dict[str, dict], have: set[str], titles: dict[str, str]) -
             text = f"{cid} {k}/{n}"
             if slug in have:
                 text = f'<a href="chapters/{slug}.html#{claim_anchor(slug, cid)}">{text}</a>'
-            cells.append(f'<td class="{_held_class(k, n)}" title="{tip}">{text}</td>')
+            cells.append(f'<td class="{held_class(k, n)}" title="{tip}">{text}</td>')
         cells += ["<td></td>"] * (width - len(cells))
         rows.append(f'<tr><th title="{name}">{label}</th>{"".join(cells)}</tr>')
-    legend = "".join(f'<span class="{_held_class(k, 3)}">holds on {k} of 3</span> '
+    legend = "".join(f'<span class="{held_class(k, 3)}">holds on {k} of 3</span> '
                      for k in (3, 2, 1, 0))
     return (f'<p class="wb-legend">{legend}</p><table class="wb-matrix"><thead><tr>'
             f"<th>notebook</th>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>")
@@ -380,6 +398,7 @@ CSS = """
 .wb-matrix td a, .wb-verdicts a { color: inherit; }
 .wb-legend span { padding: 1px 6px; margin-right: 4px; }
 .wb-verdicts details { font-size: 0.9em; }
+.wb-verdicts pre { white-space: pre-wrap; word-break: break-all; max-height: 20em; overflow: auto; }
 .wb-verdicts tr { scroll-margin-top: 5rem; } .wb-verdicts tr:target { outline: 3px solid #1a73e8; } .wb-plotly { min-height: 360px; }
 """
 
