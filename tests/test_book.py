@@ -124,6 +124,20 @@ def test_the_matrix_has_every_recorded_notebook_and_links_only_present_chapters(
     assert f"C3 {k}/{n}" in html and book.held_class(k, n) in html
 
 
+def test_a_record_of_other_code_is_marked_stale():
+    recs = {"12-nfi": dict(book.records()["12-nfi"])}
+    assert not book.code_changed("12-nfi", recs["12-nfi"])
+    assert "wb-stale" not in book.matrix_html(recs, set(), {})
+    recs["12-nfi"]["key"] = {"notebook": "0000"}
+    assert book.code_changed("12-nfi", recs["12-nfi"])
+    assert "wb-stale" in book.matrix_html(recs, set(), {})
+
+
+def test_every_chapter_title_carries_its_number():
+    assert book.numbered_title("# Hestia: QAT\n\ntext", "10-hestia") == "# 10 · Hestia: QAT\n\ntext"
+    assert book.numbered_title("# 12 · NFI", "12-nfi") == "# 12 · NFI"
+
+
 def test_a_chapter_keeps_the_story_and_drops_the_noise(run_dir):
     ch = next(c for c in book.chapters(run_dir) if c.slug == "12-nfi")
     nb = book.chapter_notebook(ch, book.records()["12-nfi"])

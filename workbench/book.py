@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import results
 from .env import project_root
 
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
@@ -98,6 +99,13 @@ def records() -> dict[str, dict]:
     """slug -> its record (``notebooks/results/<slug>.json``), every recorded notebook."""
     folder = project_root() / "notebooks" / "results"
     return {p.stem: _read_json(p) for p in sorted(folder.glob("[0-9][0-9]-*.json"))}
+
+
+def code_changed(slug: str, record: dict) -> bool:
+    """Whether the checkout's notebook has other code cells than its record was made from (the
+    record's zoo keys are not checked here: that needs torch; ``workbench.results.stale``)."""
+    nb = project_root() / "notebooks" / f"{slug}.ipynb"
+    return nb.is_file() and results.notebook_key(nb) != record.get("key", {}).get("notebook")
 
 
 def intervals(evidence, prefix: str = "") -> list[tuple[str, dict]]:
@@ -201,6 +209,8 @@ def matrix_html(recs: dict[str, dict], have: set[str], titles: dict[str, str]) -
     for slug, r in recs.items():
         name = html.escape(titles.get(slug, slug))
         label = f'<a href="chapters/{slug}.html">{slug}</a>' if slug in have else slug
+        if code_changed(slug, r):
+            label += ' <span class="wb-stale" title="the notebook\'s code changed since">stale</span>'
         cells = []
         for cid, c in r.get("claims", {}).items():
             k, n = held(c)
@@ -277,14 +287,27 @@ def chapter_notebook(ch: Chapter, record: dict | None) -> dict:
     src = (f'<p class="wb-source">Executed notebook: run folder <code>{html.escape(ch.rel)}</code>'
            f" of the book's run (seed {ch.seed}); verdicts over seeds from the record "
            f"<code>notebooks/results/{ch.slug}.json</code>"
-           + (f" of {record.get('recorded')}" if record else "") + ".</p>")
+           + (f" of {record.get('recorded')}" if record else "") + "."
+           + (" <b>Stale:</b> the notebook's code cells changed since that record."
+              if record and code_changed(ch.slug, record) else "") + "</p>")
     md = ("## Verdicts over seeds\n\n" + verdict_html(ch.slug, record, ch) + "\n\n" + src
           + "\n\n" + (f'<p class="wb-code">The code: {links}</p>\n' if links else ""))
     first = next((i for i, c in enumerate(cells) if c["cell_type"] == "markdown"), -1)
+    if first >= 0:
+        cells[first]["source"] = numbered_title("".join(cells[first]["source"]), ch.slug)
     cells.insert(first + 1, {"cell_type": "markdown", "id": "wb-verdicts", "metadata": {},
                              "source": md})
     nb["cells"] = cells
     return nb
+
+
+def numbered_title(text: str, slug: str) -> str:
+    """The title ``# Hestia: ...`` as ``# 10 · Hestia: ...``, as most notebooks write it, so the
+    book's contents list every paper by its number."""
+    num = slug[:2]
+    if text.startswith("# ") and not text[2:].startswith(num):
+        return f"# {num} · {text[2:]}"
+    return text
 
 
 def _docstring(rel: str) -> str:
@@ -392,7 +415,7 @@ exclude_patterns = ["_build", "data-zoo.md"]
 CSS = """
 .wb-held-3 { background: #c8e6c9; } .wb-held-2 { background: #fff3b0; }
 .wb-held-1 { background: #ffd6a5; } .wb-held-0 { background: #ffb4a9; }
-.wb-held-none { background: #eee; }
+.wb-held-none { background: #eee; } .wb-stale { color: #b00020; font-size: 0.8em; }
 .wb-matrix td, .wb-matrix th, .wb-verdicts td, .wb-verdicts th { padding: 2px 6px;
   border: 1px solid #ddd; font-size: 0.85em; vertical-align: top; }
 .wb-matrix td a, .wb-verdicts a { color: inherit; }
