@@ -46,7 +46,8 @@ def executed(slug: str, title: str) -> dict:
     """An executed notebook as papermill leaves it: maths, the method shown, a figure, plotly,
     a widget progress bar and stderr noise, the injected parameters."""
     show = {"output_type": "display_data", "metadata": {},
-            "data": {"text/markdown": "```python\ndef absorption_threshold(eps):\n    return 1\n```",
+            "data": {"text/markdown": "```python\ndef absorption_threshold(eps):\n    return 1\n"
+                                      "```",
                      "text/plain": "<code>"}}
     widget = {"output_type": "display_data", "metadata": {}, "data": {
         book.WIDGET_MIME: {"model_id": "ab", "version_major": 2, "version_minor": 0},
@@ -134,7 +135,7 @@ def test_a_record_of_other_code_is_marked_stale():
 
 
 def test_every_chapter_title_carries_its_number():
-    assert book.numbered_title("# Hestia: QAT\n\ntext", "10-hestia") == "# 10 · Hestia: QAT\n\ntext"
+    assert book.numbered_title("# Hestia: QAT\n\nx", "10-hestia") == "# 10 · Hestia: QAT\n\nx"
     assert book.numbered_title("# 12 · NFI", "12-nfi") == "# 12 · NFI"
 
 

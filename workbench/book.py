@@ -210,7 +210,8 @@ def matrix_html(recs: dict[str, dict], have: set[str], titles: dict[str, str]) -
         name = html.escape(titles.get(slug, slug))
         label = f'<a href="chapters/{slug}.html">{slug}</a>' if slug in have else slug
         if code_changed(slug, r):
-            label += ' <span class="wb-stale" title="the notebook\'s code changed since">stale</span>'
+            label += (' <span class="wb-stale" title="the notebook\'s code changed since">'
+                      "stale</span>")
         cells = []
         for cid, c in r.get("claims", {}).items():
             k, n = held(c)
@@ -320,7 +321,8 @@ def shared_page(name: str) -> tuple[str, list[str]]:
     title, mods = SHARED[name]
     root = project_root()
     if mods is None:
-        mods = sorted(p.relative_to(root).as_posix() for p in (root / "workbench/quant").glob("*.py")
+        quant = (root / "workbench" / "quant").glob("*.py")
+        mods = sorted(p.relative_to(root).as_posix() for p in quant
                       if p.name != "__init__.py")
     mods = [m for m in mods if (root / m).is_file()]
     out = [f"# {title}", ""]
@@ -422,7 +424,8 @@ CSS = """
 .wb-legend span { padding: 1px 6px; margin-right: 4px; }
 .wb-verdicts details { font-size: 0.9em; }
 .wb-verdicts pre { white-space: pre-wrap; word-break: break-all; max-height: 20em; overflow: auto; }
-.wb-verdicts tr { scroll-margin-top: 5rem; } .wb-verdicts tr:target { outline: 3px solid #1a73e8; } .wb-plotly { min-height: 360px; }
+.wb-verdicts tr { scroll-margin-top: 5rem; } .wb-verdicts tr:target { outline: 3px solid #1a73e8; }
+.wb-plotly { min-height: 360px; }
 """
 
 
