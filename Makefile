@@ -11,7 +11,7 @@ PYTEST := $(PY) -m pytest -p no:cacheprovider
 # two workers, one per core; --dist loadfile keeps each notebook's cells in one kernel, in order
 XDIST := -n 2 --dist loadfile
 
-.PHONY: run test test-fast test-own-model zoo chromium lab list new clean-notebooks clean
+.PHONY: run test test-fast test-own-model zoo chromium book lab list new clean-notebooks clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,11 @@ test-fast: $(STAMP)  ## unit tests only: no notebooks, nothing marked slow (unde
 chromium: $(STAMP)  ## Playwright and a headless Chromium (npm registry) for the explorers' browser test
 	$(PY) -m pip install --quiet playwright
 	.ci/chromium $(VENV)/chromium
+
+# the book of a run's executed notebooks (docs/book.md): RUN=runs/rec for another run folder
+RUN ?= runs/main
+book: $(STAMP)  ## a static site of $(RUN)'s executed notebooks: $(RUN)/book/html/index.html
+	$(VENV)/bin/workbench book $(RUN)
 
 lab: $(STAMP)  ## JupyterLab on notebooks/ with this environment's kernel
 	$(VENV)/bin/jupyter lab notebooks/

@@ -1,4 +1,4 @@
-"""``workbench list | new | run | plan | report | zoo``: the command line. Starts fast (no torch on import)."""
+"""``workbench list | new | run | plan | report | book | zoo``: the command line. Starts fast (no torch on import)."""
 from __future__ import annotations
 
 import argparse
@@ -247,6 +247,19 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_book(args) -> int:
+    from . import book
+    t0 = time.perf_counter()
+    try:
+        index = book.build(Path(args.dir), Path(args.out) if args.out else None, jobs=args.jobs,
+                           quiet=not args.verbose)
+    except (FileNotFoundError, ModuleNotFoundError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"book: {index} ({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
 def cmd_new(args) -> int:
     from .template import new_notebook
     try:
@@ -448,6 +461,16 @@ def parser() -> argparse.ArgumentParser:
                      help="do not write notebooks/results/<slug>.json for notebooks whose default "
                           "smoke run has seeds 0, 1 and 2 ok here (What we saw reads those files)")
 
+    bk = sub.add_parser("book", help="a static site of a run's executed notebooks (docs/book.md)",
+                        description="Build the book: one chapter per executed notebook of the "
+                        "run (never re-run), verdicts over seeds from notebooks/results/, the "
+                        "claims matrix, the shared parts and docs/; search, maths, offline.")
+    bk.add_argument("dir", help="a run folder, as `workbench run --all --out DIR` writes it")
+    bk.add_argument("--out", default=None, help="where to build (default DIR/book; the site is "
+                    "OUT/html/index.html, a rebuild redoes only what changed)")
+    bk.add_argument("--jobs", type=_positive_int, default=2, help="Sphinx processes (default 2)")
+    bk.add_argument("--verbose", action="store_true", help="Sphinx's progress and warnings")
+
     z = sub.add_parser("zoo", help="build, list, clear or ship the shared pretrained backbones")
     z.add_argument("action", choices=("build", "list", "clear", "ship"),
                    help="ship: copy the local smoke builds at today's keys into data/zoo (what "
@@ -469,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
     handler = {"list": cmd_list, "new": cmd_new, "run": cmd_run, "plan": cmd_plan,
-               "report": cmd_report, "zoo": cmd_zoo}
+               "report": cmd_report, "book": cmd_book, "zoo": cmd_zoo}
     try:
         return handler[args.command](args)
     except BrokenPipeError:         # `workbench list | head`: the reader left, which is fine
