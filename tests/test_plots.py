@@ -153,3 +153,34 @@ def test_savefig_shows_the_twin_only_in_a_live_session(tmp_path, monkeypatch):
     run.savefig(fig, "b")
     assert len(shown) == 1 and shown[0].data[0].name == "x"
     plt.close(fig)
+
+
+def test_a_runner_job_keeps_the_plotly_twins_in_the_executed_notebook(tmp_path, monkeypatch):
+    """`workbench run` (WORKBENCH_BATCH) puts each twin into the notebook as plotly's output type,
+    JSON-ready, for the book and JupyterLab; nbval and scripts do not."""
+    import json
+
+    import matplotlib.pyplot as plt
+    from workbench import runtime
+    kept = []
+    monkeypatch.setattr(plots, "display", lambda obj, raw=False: kept.append((obj, raw)))
+    monkeypatch.setattr(plots, "in_ipython", lambda: True)
+    monkeypatch.setattr(runtime, "in_ipython", lambda: True)
+    monkeypatch.delenv("WORKBENCH_BATCH", raising=False)
+    data = {"a": np.vstack([np.zeros(5), np.ones(5)])}
+    plots.curves(data, x=X, title="T", xlabel="x", ylabel="y")
+    assert kept == []                                              # nbval: the PNG alone
+    monkeypatch.setenv("WORKBENCH_BATCH", "1")
+    plots.curves(data, x=X, title="T", xlabel="x", ylabel="y")
+    run = runtime.Run.__new__(runtime.Run)
+    run.out_dir, run.figures = tmp_path, []
+    (tmp_path / "figures").mkdir()
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0], label="x")
+    ax.set_title("saved")
+    run.savefig(fig, "a")
+    plt.close(fig)
+    assert [raw for _, raw in kept] == [True, True]
+    curves, saved = (json.loads(json.dumps(b))[plots.PLOTLY_MIME] for b, _ in kept)
+    assert curves["layout"]["title"]["text"] == "T" and saved["data"][0]["name"] == "x"
+    assert all("text/plain" in b for b, _ in kept)

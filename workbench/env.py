@@ -40,6 +40,12 @@ def batch_mode() -> bool:
     return bool(os.environ.get("CI") or os.environ.get("WORKBENCH_BATCH"))
 
 
+def runner_job() -> bool:
+    """A job of ``workbench run`` (the runner sets ``WORKBENCH_BATCH``): its executed notebook is
+    kept, and the book (``workbench book``) reads it."""
+    return bool(os.environ.get("WORKBENCH_BATCH"))
+
+
 def in_ipython() -> bool:
     """Running inside an IPython kernel or shell (Jupyter, papermill, nbval), watched or not."""
     try:

@@ -7,6 +7,8 @@ session gets an interactive twin of every main figure a notebook saves (``run.sa
 """
 from __future__ import annotations
 
+import json
+
 import matplotlib
 import matplotlib.pyplot as plt
 import numpy as np
@@ -18,11 +20,12 @@ from matplotlib.colors import to_hex
 from IPython.display import display
 from plotly.subplots import make_subplots
 
-from .env import in_ipython, interactive
+from .env import in_ipython, interactive, runner_job
 
-__all__ = ["PALETTE", "style", "subplots", "band", "mark_points", "curves", "plotly_twin",
-           "show_twin"]
+__all__ = ["PALETTE", "PLOTLY_MIME", "style", "subplots", "band", "mark_points", "curves",
+           "plotly_twin", "keep_twin", "show_twin"]
 
+PLOTLY_MIME = "application/vnd.plotly.v1+json"   # plotly's notebook output type
 PALETTE = ["#1f5a96", "#d1495b", "#2e933c", "#edae49", "#6c4f9c", "#00798c", "#8d6a4f"]
 
 
@@ -144,6 +147,8 @@ def curves(data, x=None, *, title: str, xlabel: str, ylabel, logy: bool = False,
     if interactive():
         display(_plotly_curves(parsed, title, xlabel, ylabels, logy, cols, rows))
         plt.close(fig)                 # the live session shows the plotly figure, not both
+    elif runner_job() and in_ipython():
+        keep_twin(_plotly_curves(parsed, title, xlabel, ylabels, logy, cols, rows))
     return fig
 
 
@@ -337,6 +342,17 @@ def plotly_twin(fig):
                           type="log" if ax.get_yscale() == "log" else None)
     title = fig.get_suptitle() or (axes[0].get_title() if len(axes) == 1 else "")
     return twin.update_layout(title=title, template="plotly_white", height=320 * rows + 60)
+
+
+def keep_twin(twin) -> None:
+    """Put the plotly figure ``twin`` into the executed notebook as plotly's own output type
+    (beside the static PNG, with a plain-text note in its place where plotly cannot draw): a
+    ``workbench run`` job does this for every twin, so that the book and JupyterLab show the
+    executed notebook's figures interactive without re-running it."""
+    if twin is not None:
+        display({PLOTLY_MIME: json.loads(twin.to_json()),
+                 "text/plain": "(the interactive version of the figure: JupyterLab or the book)"},
+                raw=True)
 
 
 def show_twin(fig) -> bool:

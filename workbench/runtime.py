@@ -27,7 +27,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from . import cache
-from .env import in_ipython, interactive, project_root, strict_mode
+from .env import in_ipython, interactive, project_root, runner_job, strict_mode
 from .notebooks import NotebookError, notebooks_dir, parameters
 
 SCALES = ("smoke", "full")
@@ -296,6 +296,9 @@ class Run:
         if twin and hasattr(fig, "savefig") and interactive():
             from .plots import show_twin       # lazy: the CLI imports this module, not plotly
             show_twin(fig)                     # a live session also gets it as plotly
+        elif twin and hasattr(fig, "savefig") and runner_job() and in_ipython():
+            from .plots import keep_twin, plotly_twin
+            keep_twin(plotly_twin(fig))        # the executed notebook keeps it (the book)
 
     def progress(self, iterable: Iterable | None = None, **kwargs):
         """A progress bar: live in Jupyter, a line every few percent elsewhere."""
