@@ -147,6 +147,7 @@ def test_a_chapter_keeps_the_story_and_drops_the_noise(run_dir):
     assert book.WIDGET_MIME not in text and book.PLOTLY_MIME not in text and "widgets" not in \
         nb["metadata"]
     assert "Plotly.newPlot" in text and "cdn fallback" not in text
+    assert PNG not in text                      # the twin replaces its PNG (one each)
     verdicts = nb["cells"][1]["source"]                         # right after the title
     assert 'id="claim-12-nfi-c1"' in verdicts and "holds on 3 of 3 seeds" in verdicts
     assert "workbench/methods/nfi.py" in verdicts and "tests/test_nfi.py" in verdicts
@@ -254,3 +255,11 @@ def test_every_page_opens_offline_in_chromium_with_maths_and_plotly(site):
     assert {"12-nfi.html", "16-fura.html"} <= set(with_maths)
     assert remote == [], remote
     assert problems == [], "\n".join(problems)
+
+
+def test_a_cell_keeps_its_pngs_unless_every_one_has_a_twin():
+    png = {"output_type": "display_data", "data": {"image/png": "A"}}
+    twin = {"output_type": "display_data", "data": {"text/html": '<div id="wb-plotly-1-0">'}}
+    assert book._twins_replace_pngs([twin, png]) == [twin]
+    assert book._twins_replace_pngs([twin, png, png]) == [twin, png, png]   # one not redrawn
+    assert book._twins_replace_pngs([png]) == [png]

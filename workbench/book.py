@@ -261,6 +261,16 @@ def _plotly_html(fig: dict, key: str) -> str:
             f'{{responsive:true}});}});</script>')
 
 
+def _twins_replace_pngs(outs: list[dict]) -> list[dict]:
+    """A cell whose every saved figure has its plotly twin (``plots.keep_twin``: one plotly output
+    per PNG) shows the twins alone; a cell with a figure plotly could not redraw keeps all."""
+    plotly = [o for o in outs if "wb-plotly-" in o.get("data", {}).get("text/html", "")]
+    pngs = [o for o in outs if "image/png" in o.get("data", {})]
+    if plotly and len(plotly) == len(pngs):
+        return [o for o in outs if "image/png" not in o.get("data", {})]
+    return outs
+
+
 def chapter_notebook(ch: Chapter, record: dict | None) -> dict:
     """The executed notebook as its chapter shows it: the verdict table and the code links after
     the title, papermill's injected parameters, widget outputs and stderr dropped, plotly
@@ -280,6 +290,7 @@ def chapter_notebook(ch: Chapter, record: dict | None) -> dict:
             if PLOTLY_MIME in data:
                 o = {**o, "data": {"text/html": _plotly_html(data[PLOTLY_MIME], f"{i}-{j}")}}
             outs.append(o)
+        outs = _twins_replace_pngs(outs)
         if cell["cell_type"] == "code":
             cell["outputs"] = outs
         cells.append(cell)

@@ -344,13 +344,25 @@ def plotly_twin(fig):
     return twin.update_layout(title=title, template="plotly_white", height=320 * rows + 60)
 
 
+def _rounded(obj, digits: int = 5):
+    """``obj`` (plotly's JSON) with every float at ``digits`` significant digits: a figure's
+    points need no more, and full precision triples the executed notebook's size."""
+    if isinstance(obj, float):
+        return float(f"{obj:.{digits}g}")
+    if isinstance(obj, list):
+        return [_rounded(v, digits) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _rounded(v, digits) for k, v in obj.items()}
+    return obj
+
+
 def keep_twin(twin) -> None:
     """Put the plotly figure ``twin`` into the executed notebook as plotly's own output type
     (beside the static PNG, with a plain-text note in its place where plotly cannot draw): a
     ``workbench run`` job does this for every twin, so that the book and JupyterLab show the
     executed notebook's figures interactive without re-running it."""
     if twin is not None:
-        display({PLOTLY_MIME: json.loads(twin.to_json()),
+        display({PLOTLY_MIME: _rounded(json.loads(twin.to_json())),
                  "text/plain": "(the interactive version of the figure: JupyterLab or the book)"},
                 raw=True)
 
