@@ -1,4 +1,8 @@
 """Fixture notebooks for the batch tests (strict mode is set by the root conftest.py)."""
+import os
+import sys
+from pathlib import Path
+
 import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
@@ -97,3 +101,20 @@ def fixture_notebooks(tmp_path):
     make_notebook(d / "07-half.ipynb", HALF_BODY)
     make_notebook(d / "08-echo.ipynb", ECHO_BODY, "text: str = \"hi\"  # any text\n")
     return d
+
+
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--no-zygote", "--single-process",
+                 "--disable-dev-shm-usage", "--use-gl=swiftshader"]
+
+
+@pytest.fixture
+def chromium():
+    """``(playwright.sync_api, executable, launch args)`` of the headless Chromium that
+    ``make chromium`` unpacks into the venv (or ``$WORKBENCH_CHROMIUM``); a skip saying why where
+    there is none (the browser tests: test_browser.py, test_book.py)."""
+    playwright = pytest.importorskip("playwright.sync_api", reason="make chromium installs "
+                                     "Playwright and a Chromium for the browser tests")
+    exe = os.environ.get("WORKBENCH_CHROMIUM") or str(Path(sys.prefix) / "chromium" / "chromium")
+    if not Path(exe).is_file():
+        pytest.skip("no Chromium: run `make chromium` (or set WORKBENCH_CHROMIUM)")
+    return playwright, exe, CHROMIUM_ARGS

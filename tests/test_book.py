@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -204,30 +203,16 @@ def test_remote_urls_finds_a_cdn_script(tmp_path):
 
 # -- the browser --------------------------------------------------------------------------------
 
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--no-zygote", "--single-process",
-                 "--disable-dev-shm-usage", "--use-gl=swiftshader"]
 
-
-def _chromium() -> str | None:
-    """The Chromium ``make chromium`` unpacks (or ``$WORKBENCH_CHROMIUM``), as test_browser.py."""
-    given = os.environ.get("WORKBENCH_CHROMIUM")
-    if given:
-        return given if Path(given).is_file() else None
-    local = Path(sys.prefix) / "chromium" / "chromium"
-    return str(local) if local.is_file() else None
 
 
 @pytest.mark.slow
-def test_every_page_opens_offline_in_chromium_with_maths_and_plotly(site):
-    playwright = pytest.importorskip("playwright.sync_api", reason="make chromium installs "
-                                     "Playwright and a Chromium for the browser tests")
-    exe = _chromium()
-    if exe is None:
-        pytest.skip("no Chromium: run `make chromium` (or set WORKBENCH_CHROMIUM)")
+def test_every_page_opens_offline_in_chromium_with_maths_and_plotly(site, chromium):
+    playwright, exe, args = chromium
     pages = sorted(p for p in site.rglob("*.html") if "_static" not in p.relative_to(site).parts)
     problems, remote, with_maths = [], [], []
     with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=exe, args=CHROMIUM_ARGS, timeout=120_000)
+        browser = p.chromium.launch(executable_path=exe, args=args, timeout=120_000)
         page = browser.new_page()
         page.set_default_timeout(60_000)
         page.on("console", lambda m: m.type == "error" and problems.append(

@@ -19,7 +19,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 from urllib.request import urlopen
 
 import pytest
@@ -28,8 +27,6 @@ from workbench.env import project_root
 
 pytestmark = pytest.mark.slow
 
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--no-zygote", "--single-process",
-                 "--disable-dev-shm-usage", "--use-gl=swiftshader"]
 TOKEN = "workbench-browser-test"
 # run every cell once the notebook's kernel is connected (before that, the command is a no-op)
 RUN_ALL = """async () => {
@@ -53,13 +50,6 @@ CELLS = [
     "explore_table(table, x='step', y='loss', knobs=['bits'], title='loss by bits')",
 ]
 
-
-def _chromium() -> str | None:
-    given = os.environ.get("WORKBENCH_CHROMIUM")
-    if given:
-        return given if Path(given).is_file() else None
-    local = Path(sys.prefix) / "chromium" / "chromium"
-    return str(local) if local.is_file() else None
 
 
 def _free_port() -> int:
@@ -107,14 +97,10 @@ def lab(tmp_path):
         server.wait(timeout=30)
 
 
-def test_explorers_respond_in_jupyterlab(lab):
-    playwright = pytest.importorskip("playwright.sync_api", reason="make chromium installs "
-                                     "Playwright and a Chromium for the browser test")
-    exe = _chromium()
-    if exe is None:
-        pytest.skip("no Chromium: run `make chromium` (or set WORKBENCH_CHROMIUM)")
+def test_explorers_respond_in_jupyterlab(lab, chromium):
+    playwright, exe, args = chromium
     with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=exe, args=CHROMIUM_ARGS, timeout=120_000)
+        browser = p.chromium.launch(executable_path=exe, args=args, timeout=120_000)
         page = browser.new_page(viewport={"width": 1200, "height": 1600})
         page.set_default_timeout(120_000)
         page.goto(lab)
