@@ -146,7 +146,7 @@ def test_a_chapter_keeps_the_story_and_drops_the_noise(run_dir):
     assert book.WIDGET_MIME not in text and book.PLOTLY_MIME not in text and "widgets" not in \
         nb["metadata"]
     assert "Plotly.newPlot" in text and "cdn fallback" not in text
-    assert PNG not in text                      # the twin replaces its PNG (one each)
+    assert PNG in text and book.TWIN_SUMMARY in text     # the PNG, its twin folded under it
     verdicts = nb["cells"][1]["source"]                         # right after the title
     assert 'id="claim-12-nfi-c1"' in verdicts and "holds on 3 of 3 seeds" in verdicts
     assert "workbench/methods/nfi.py" in verdicts and "tests/test_nfi.py" in verdicts
@@ -232,6 +232,7 @@ def test_every_page_opens_offline_in_chromium_with_maths_and_plotly(site, chromi
                 assert page.locator("mjx-merror").count() == 0, path
                 with_maths.append(path.name)
         page.goto((site / "chapters" / "12-nfi.html").as_uri())
+        page.click("details.wb-twin summary")               # the twin folded under its PNG
         page.wait_for_selector(".wb-plotly .main-svg")
         assert "a plotly figure in the book" in page.locator(".wb-plotly .gtitle").text_content()
         page.goto((site / "search.html").as_uri() + "?q=absorption")
@@ -242,9 +243,16 @@ def test_every_page_opens_offline_in_chromium_with_maths_and_plotly(site, chromi
     assert problems == [], "\n".join(problems)
 
 
-def test_a_cell_keeps_its_pngs_unless_every_one_has_a_twin():
-    png = {"output_type": "display_data", "data": {"image/png": "A"}}
-    twin = {"output_type": "display_data", "data": {"text/html": '<div id="wb-plotly-1-0">'}}
-    assert book._twins_replace_pngs([twin, png]) == [twin]
-    assert book._twins_replace_pngs([twin, png, png]) == [twin, png, png]   # one not redrawn
-    assert book._twins_replace_pngs([png]) == [png]
+def test_each_png_gets_its_twin_folded_under_it_when_every_figure_has_one():
+    def out(key, value):
+        return {"output_type": "display_data", "data": {key: value}}
+    twin_a, twin_b = (out("text/html", f'<div id="wb-plotly-1-{i}"></div>') for i in "ab")
+    png_a, png_b, text = out("image/png", "A"), out("image/png", "B"), out("text/plain", "t")
+    folded = book._fold_twins([twin_a, twin_b, text, png_a, png_b])
+    assert folded[:2] == [text, png_a] and folded[3] == png_b and len(folded) == 5
+    for i, key in ((2, "wb-plotly-1-a"), (4, "wb-plotly-1-b")):
+        html = folded[i]["data"]["text/html"]
+        assert html.startswith('<details class="wb-twin"') and key in html
+        assert book.TWIN_SUMMARY in html
+    assert book._fold_twins([twin_a, png_a, png_b]) == [twin_a, png_a, png_b]   # one not redrawn
+    assert book._fold_twins([png_a]) == [png_a]

@@ -261,14 +261,35 @@ def _plotly_html(fig: dict, key: str) -> str:
             f'{{responsive:true}});}});</script>')
 
 
-def _twins_replace_pngs(outs: list[dict]) -> list[dict]:
+TWIN_SUMMARY = "Interactive version: hover, zoom, toggle series"
+
+
+def _folded(twin_html: str) -> str:
+    """A twin folded under its PNG; drawn while closed, so it is resized to the page on opening."""
+    return ('<details class="wb-twin" ontoggle="if(this.open){this.querySelectorAll('
+            "'.js-plotly-plot').forEach(function(d){Plotly.Plots.resize(d);});}\">"
+            f"<summary>{TWIN_SUMMARY}</summary>{twin_html}</details>")
+
+
+def _fold_twins(outs: list[dict]) -> list[dict]:
     """A cell whose every saved figure has its plotly twin (``plots.keep_twin``: one plotly output
-    per PNG) shows the twins alone; a cell with a figure plotly could not redraw keeps all."""
-    plotly = [o for o in outs if "wb-plotly-" in o.get("data", {}).get("text/html", "")]
+    per PNG, in the same order) shows each PNG as the notebook laid it out with its twin folded
+    under it; a cell with a figure plotly could not redraw keeps its outputs as they are."""
+    def html_of(o):
+        return o.get("data", {}).get("text/html", "")
+    twins = [o for o in outs if "wb-plotly-" in html_of(o)]
     pngs = [o for o in outs if "image/png" in o.get("data", {})]
-    if plotly and len(plotly) == len(pngs):
-        return [o for o in outs if "image/png" not in o.get("data", {})]
-    return outs
+    if not twins or len(twins) != len(pngs):
+        return outs
+    pending, out = iter(twins), []
+    for o in outs:
+        if any(o is t for t in twins):
+            continue
+        out.append(o)
+        if "image/png" in o.get("data", {}):
+            t = next(pending)
+            out.append({**t, "data": {"text/html": _folded(html_of(t))}})
+    return out
 
 
 def chapter_notebook(ch: Chapter, record: dict | None) -> dict:
@@ -290,7 +311,7 @@ def chapter_notebook(ch: Chapter, record: dict | None) -> dict:
             if PLOTLY_MIME in data:
                 o = {**o, "data": {"text/html": _plotly_html(data[PLOTLY_MIME], f"{i}-{j}")}}
             outs.append(o)
-        outs = _twins_replace_pngs(outs)
+        outs = _fold_twins(outs)
         if cell["cell_type"] == "code":
             cell["outputs"] = outs
         cells.append(cell)
