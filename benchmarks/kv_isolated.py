@@ -146,11 +146,12 @@ def main():
     ap.add_argument("--family", choices=("kv", "lettermap", "digitmap"), default="kv")
     ap.add_argument("--surface", choices=tuple(SURFACES), default="today")
     ap.add_argument("--digit-tokens", action="store_true")
+    ap.add_argument("--seed", type=int, default=0, help="the model's init and the training draws")
     a = ap.parse_args()
     if a.family != "kv" and a.surface not in MAP_ARROW:
         ap.error(f"--family {a.family} takes --surface {' or '.join(MAP_ARROW)}")
     torch.set_num_threads(1)
-    torch.manual_seed(0)
+    torch.manual_seed(a.seed)
     tok = load_tokenizer(a.digit_tokens)
     evals = {"kv@4": held_out(a, 4)} if a.family == "kv" else {
         f"{a.family}@{s}shots": held_out(a, s) for s in (4, 8)}
@@ -163,7 +164,7 @@ def main():
         num_key_value_heads=4, max_position_embeddings=128, tie_word_embeddings=True,
         vocab_size=len(tok), bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id))
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    rng, t0 = random.Random(0), time.time()
+    rng, t0 = random.Random(a.seed), time.time()
     for step in range(a.steps):
         x, y = rows(tok, rng, a.batch, a)
         loss = model(input_ids=x, labels=y).loss
