@@ -17,10 +17,12 @@ again, and with ``--digit-tokens`` (`` 0``..`` 9`` added as single tokens to lm-
 tokenizer, every other id unchanged) is ``Ġm ␣7``: an offset-1 look-up. ``--family lettermap``
 or ``digitmap`` trains an in-context map instead (contexts of 1-6 demonstrations at one symbol,
 the loss on every answer; exact match of the query after 4 and after 8 demonstrations), in
-``today``'s ``map d -> q`` or ``adjacent``'s ``map d q``.
+``today``'s ``map d -> q`` or ``adjacent``'s ``map d q``. ``--seed`` draws another init and data.
+Findings (docs/zoo-v4-a.md, session 18): no surface leaves the plateau with one answer a row;
+with eight (``--queries 8``) ``adjacent`` does, ``today`` does not, at 1500 steps.
 
     python benchmarks/kv_isolated.py --lr 1e-3 --layers 4 --steps 1500
-    python benchmarks/kv_isolated.py --surface adjacent --steps 1500
+    python benchmarks/kv_isolated.py --surface adjacent --queries 8 --steps 1500   # 0.86, 0.90
     python benchmarks/kv_isolated.py --family lettermap --surface adjacent --steps 1500
 """
 from __future__ import annotations
