@@ -383,7 +383,7 @@ def q4_0_round_trip(bed: Bed, cfg: M.GSQConfig, seed: int, out_dir, name: str,
     (groups of 32, 4 bits: shifts {-2..2} around the file's codes), both written as GGUF files and read back: ``reader`` (llama.cpp when installed,
     else transformers), ``files`` (label -> what each reader found), ``ppl_start``,
     ``ppl_gsq`` (the deciding reader's perplexities), ``seconds`` and ``cpu_seconds`` (GSQ's)."""
-    start = {n: Q.gguf.q4_0_quantized(lin.weight.detach().cpu().numpy())
+    start = {n: Q.gguf.q4_0_quantized(lin.weight.detach().cpu().numpy()).to(lin.weight.device)
              for n, lin in bed.layers.items()}
     t, cpu = time.time(), time.process_time()
     _, info_q4 = M.quantize_model(bed.model, bed.calib, start, cfg, seed=seed)

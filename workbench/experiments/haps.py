@@ -287,9 +287,11 @@ class StaticRouter(nn.Module):
 
 
 def train_static_router(x, labels, n: int, d_h: int, steps: int, lr: float, seed: int):
-    """Architecture-only router: cross-entropy on the static routing labels, full batch."""
+    """Architecture-only router: cross-entropy on the static routing labels, full batch, where
+    ``x`` lives."""
     torch.manual_seed(seed)
-    net = StaticRouter(n, x.shape[1], d_h)
+    net = StaticRouter(n, x.shape[1], d_h).to(x.device)
+    labels = labels.to(x.device)
     opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=1e-4)
     for _ in range(steps):
         loss = F.cross_entropy(net(x), labels)

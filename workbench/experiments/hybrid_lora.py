@@ -124,6 +124,7 @@ def score_modules(model, tok, probe_a: list, probe_b: list, group: int, max_new_
 def residual(g: torch.Tensor, basis: torch.Tensor) -> float:
     """Share of ||g||^2 outside the column span of ``basis`` (orthonormal columns)."""
     g = g.double()
+    basis = basis.to(g.device, torch.float64)         # a random basis is drawn on the host
     return float((g - basis @ (basis.T @ g)).norm() ** 2 / g.norm() ** 2)
 
 

@@ -104,7 +104,8 @@ def rollouts(model, tok, examples: list, group: int, max_new_tokens: int, temper
     mask = (torch.arange(comp.shape[1], device=device)[None] <= first[:, None]).long()
     texts = tok.batch_decode(comp, skip_special_tokens=True)
     rewards = torch.tensor([tasks.score(e, t) for e, t in
-                            zip([e for e in examples for _ in range(group)], texts)])
+                            zip([e for e in examples for _ in range(group)], texts)],
+                           device=device)
     return {"prompt_ids": enc["input_ids"], "prompt_mask": enc["attention_mask"],
             "completion_ids": comp, "completion_mask": mask, "rewards": rewards, "texts": texts}
 

@@ -72,7 +72,7 @@ def low_rank_directions(model, n_dirs: int, rank: int, seed: int) -> list[dict]:
             w = m.weight
             u = torch.randn(w.shape[0], rank, generator=g, dtype=torch.float64)
             v = torch.randn(w.shape[1], rank, generator=g, dtype=torch.float64)
-            delta = u @ v.T
+            delta = (u @ v.T).to(w.device)       # drawn on the host: the same on every device
             d[name] = (delta * (w.detach().double().norm() / delta.norm())).to(w.dtype)
         dirs.append(d)
     return dirs

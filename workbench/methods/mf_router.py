@@ -100,11 +100,12 @@ class MFSettings:
 
 def train_mf(e: torch.Tensor, labels: torch.Tensor, n_models: int, s: MFSettings) -> MFRouter:
     """An :class:`MFRouter` fitted on the battles of ``labels`` (:func:`battles`) over prompt
-    embeddings ``e`` (n, text_dim): shuffled mini-batches, noise on the embeddings, Adam."""
+    embeddings ``e`` (n, text_dim): shuffled mini-batches, noise on the embeddings, Adam. The
+    router trains where ``e`` lives."""
     torch.manual_seed(s.seed)
-    router = MFRouter(n_models, e.shape[1], s.dim)
+    router = MFRouter(n_models, e.shape[1], s.dim).to(e.device)
     opt = torch.optim.Adam(router.parameters(), lr=s.lr, weight_decay=s.weight_decay)
-    win, lose, query = battles(labels, n_models)
+    win, lose, query = (t.to(e.device) for t in battles(labels, n_models))
     for _ in range(s.epochs):
         for idx in torch.randperm(len(win)).split(s.batch):
             q = e[query[idx]]

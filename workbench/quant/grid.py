@@ -94,6 +94,12 @@ class Quantized:
     def dequantize(self) -> torch.Tensor:
         return self.per_column(self.scale) * (self.codes.float() - self.per_column(self.zero))
 
+    def to(self, device) -> "Quantized":
+        """The same grid with its tensors on ``device``."""
+        g_idx = None if self.g_idx is None else self.g_idx.to(device)
+        return Quantized(self.codes.to(device), self.scale.to(device), self.zero.to(device),
+                         self.bits, self.group_size, g_idx)
+
     @property
     def level_index(self) -> torch.Tensor:
         """Codes as signed levels ``codes - zero`` (symmetric grids)."""
@@ -122,7 +128,7 @@ def ternary_quantized(w: torch.Tensor, eps: float = 1e-5) -> Quantized:
     q, gamma = absmean_ternary(w.detach(), eps)
     out, cols = w.shape
     return Quantized((q + 1).to(torch.int16), gamma.float().expand(out, 1).clone(),
-                     torch.ones(out, 1), 2, cols)
+                     torch.ones(out, 1, device=w.device), 2, cols)
 
 
 def ste(x: torch.Tensor, qx: torch.Tensor) -> torch.Tensor:
