@@ -106,10 +106,15 @@ def test_an_architecture_without_the_method_modules_is_refused_naming_them(tmp_p
     assert runner("07-hilora", model=gpt2)            # peft's LoRA wraps GPT-2's Conv1D
 
 
+def without(d, token: str):
+    """``d``'s tokenizer config without its ``token`` (``pad_token``, ``bos_token``)."""
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg.pop(token, None)
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+
 def test_a_tokenizer_without_a_pad_token_warns_and_the_loader_uses_eos(llama_dir):
-    cfg = json.loads((llama_dir / "tokenizer_config.json").read_text())
-    cfg.pop("pad_token", None)
-    (llama_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    without(llama_dir, "pad_token")
     (w,) = checkpoint.validate(llama_dir, "model")
     assert "no pad token" in w and "eos" in w
     with pytest.warns(UserWarning, match="no pad token"):
@@ -118,9 +123,7 @@ def test_a_tokenizer_without_a_pad_token_warns_and_the_loader_uses_eos(llama_dir
 
 
 def test_a_tokenizer_without_a_bos_token_warns_and_prompts_start_with_eos(llama_dir):
-    cfg = json.loads((llama_dir / "tokenizer_config.json").read_text())
-    cfg.pop("bos_token", None)                      # as Qwen2's tokenizers ship
-    (llama_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    without(llama_dir, "bos_token")                 # as Qwen2's tokenizers ship
     (w,) = checkpoint.validate(llama_dir, "model")
     assert "no bos token" in w and "eos" in w
     with pytest.warns(UserWarning, match="no bos token"):
