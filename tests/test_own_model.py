@@ -130,6 +130,9 @@ def test_a_tokenizer_without_a_bos_token_warns_and_prompts_start_with_eos(llama_
         model, tok = zoo.load(str(llama_dir))
     assert tok.bos_token == tok.eos_token is not None
     assert len(evaluate.generate(model, tok, ["add 1 2 ="], max_new_tokens=2)) == 1
+    without(llama_dir, "eos_token")                 # nothing to start a prompt with: refused
+    with pytest.raises(checkpoint.CheckpointError, match="neither a bos nor an eos"):
+        checkpoint.validate(llama_dir, "model")
 
 
 def test_a_chat_template_frames_the_instruct_models_questions(llama_dir):

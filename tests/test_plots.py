@@ -184,5 +184,5 @@ def test_a_runner_job_keeps_the_plotly_twins_in_the_executed_notebook(tmp_path, 
     curves, saved = (json.loads(json.dumps(b))[plots.PLOTLY_MIME] for b, _ in kept)
     assert curves["layout"]["title"]["text"] == "T" and saved["data"][0]["name"] == "x"
     assert all("text/plain" in b for b, _ in kept)
-    rounded = plots._rounded([0.123456789, {"y": [2.0000000000000004]}, "s"])
-    assert rounded == [0.12346, {"y": [2.0]}, "s"]
+    value = [0.123456789, {"y": [2.0000000000000004]}, "s"]    # keep_twin: 5 digits
+    assert plots.rounded(value, 5) == [0.12346, {"y": [2.0]}, "s"]

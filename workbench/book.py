@@ -29,10 +29,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import results
+from . import report, results
 from .env import project_root
+from .plots import PLOTLY_MIME, rounded
 
-PLOTLY_MIME = "application/vnd.plotly.v1+json"
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 DOCS = ["findings", "decisions", "zoo", "gguf", "batches", "book"]  # docs/ pages, in this order
 SHARED = {   # page -> (title, modules shown on it)
@@ -56,49 +56,31 @@ class Chapter:
     notebook: Path          # the executed .ipynb
     rel: str                # its run folder, relative to the run dir
     seed: int | None
-    metrics: dict           # that run's metrics.json (its own verdicts)
+    claims: list            # that run's own verdicts (its metrics.json's claims)
 
 
 # -- reading the run --------------------------------------------------------------------------
 
 def chapters(run_dir: Path) -> list[Chapter]:
-    """The run's notebooks, one chapter each: per notebook folder ``SLUG/<scale>[-grid]/seed-N``
-    the run with no grid point, smoke before full, lowest seed first, that finished ok and left
-    its executed notebook. Folders are walked with ``iterdir`` so a run dir of symlinks works."""
-    run_dir = Path(run_dir)
-    out = []
-    for nb_dir in sorted(p for p in run_dir.iterdir() if p.is_dir() and p.name[:2].isdigit()):
-        slug, found = nb_dir.name, []
-        for sub in nb_dir.iterdir():
-            if sub.name.startswith(".") or not sub.is_dir():
-                continue
-            for seed_dir in sub.glob("seed-*"):
-                nb = seed_dir / f"{slug}.ipynb"
-                job = _read_json(seed_dir / "job.json")
-                if nb.is_file() and job.get("status", "ok") in ("ok", "cached"):
-                    seed = seed_dir.name.removeprefix("seed-")
-                    seed = int(seed) if seed.isdigit() else None
-                    rank = ("-" in sub.name, sub.name != "smoke", seed if seed is not None else 99)
-                    found.append((rank, seed_dir, nb, seed))
-        if found:
-            _, seed_dir, nb, seed = min(found, key=lambda f: f[0])
-            out.append(Chapter(slug, nb, seed_dir.relative_to(run_dir).as_posix(), seed,
-                               _read_json(seed_dir / "metrics.json")))
-    return out
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        d = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return {}
-    return d if isinstance(d, dict) else {}
+    """The run's notebooks, one chapter each: of the jobs :func:`workbench.report.collect` finds
+    (the runner's folders, as the report reads them), per notebook the run with no grid point,
+    smoke before full, lowest seed first, that finished ok and left its executed notebook."""
+    run_dir, best = Path(run_dir), {}
+    for r in report.collect(run_dir):
+        nb = Path(r["dir"]) / f"{r['notebook']}.ipynb"
+        if r["status"] not in ("ok", "cached") or r["params"] or not nb.is_file():
+            continue
+        rank = (r["scale"] not in (None, "smoke"), r["seed"] if r["seed"] is not None else 99)
+        if r["notebook"] not in best or rank < best[r["notebook"]][0]:
+            best[r["notebook"]] = (rank, Chapter(r["notebook"], nb, r["rel"], r["seed"],
+                                                 r["claims"]))
+    return [best[slug][1] for slug in sorted(best)]
 
 
 def records() -> dict[str, dict]:
     """slug -> its record (``notebooks/results/<slug>.json``), every recorded notebook."""
     folder = project_root() / "notebooks" / "results"
-    return {p.stem: _read_json(p) for p in sorted(folder.glob("[0-9][0-9]-*.json"))}
+    return {p.stem: report.read_json(p) for p in sorted(folder.glob("[0-9][0-9]-*.json"))}
 
 
 def code_changed(slug: str, record: dict) -> bool:
@@ -154,24 +136,14 @@ def _mark(h) -> str:
     return "holds" if h else "—" if h is None else "does not hold"
 
 
-def _rounded(v):
-    """Evidence with its floats at 4 significant digits, for reading."""
-    if isinstance(v, float):
-        return float(f"{v:.4g}")
-    if isinstance(v, dict):
-        return {k: _rounded(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_rounded(x) for x in v]
-    return v
-
-
 def _evidence_html(seeds: list, claim: dict) -> str:
     """The claim's intervals seed by seed, then its whole evidence per seed (both folded)."""
     ivs = [f"<li>seed {s}: {html.escape(name)} {interval_text(iv)}</li>"
            for s, ev in zip(seeds, claim.get("evidence", [])) for name, iv in intervals(ev)]
     out = (f"<details><summary>intervals ({len(ivs)})</summary><ul>{''.join(ivs)}</ul>"
            "</details>") if ivs else ""
-    evs = "".join(f"<p>seed {s}</p><pre>{html.escape(json.dumps(_rounded(ev), default=str))}</pre>"
+    evs = "".join(f"<p>seed {s}</p><pre>"
+                  f"{html.escape(json.dumps(rounded(ev), default=str))}</pre>"
                   for s, ev in zip(seeds, claim.get("evidence", [])) if ev)
     return out + (f"<details><summary>evidence</summary>{evs}</details>" if evs else "")
 
@@ -182,8 +154,7 @@ def verdict_html(slug: str, record: dict | None, chapter: Chapter | None = None)
     if not record or not record.get("claims"):
         return f"<p>No recorded runs of {slug} (notebooks/results/{slug}.json).</p>"
     seeds = record.get("seeds", [])
-    mine = {c.get("id"): c.get("holds") for c in (chapter.metrics.get("claims", [])
-                                                    if chapter else [])}
+    mine = {c.get("id"): c.get("holds") for c in (chapter.claims if chapter else [])}
     head = "".join(f"<th>seed {s}</th>" for s in seeds)
     this = f"<th>this run (seed {chapter.seed})</th>" if chapter else ""
     rows = []

@@ -23,7 +23,7 @@ from plotly.subplots import make_subplots
 from .env import in_ipython, interactive, runner_job
 
 __all__ = ["PALETTE", "PLOTLY_MIME", "style", "subplots", "band", "mark_points", "curves",
-           "plotly_twin", "keep_twin", "show_twin"]
+           "plotly_twin", "keep_twin", "show_twin", "rounded"]
 
 PLOTLY_MIME = "application/vnd.plotly.v1+json"   # plotly's notebook output type
 PALETTE = ["#1f5a96", "#d1495b", "#2e933c", "#edae49", "#6c4f9c", "#00798c", "#8d6a4f"]
@@ -344,16 +344,16 @@ def plotly_twin(fig):
     return twin.update_layout(title=title, template="plotly_white", height=320 * rows + 60)
 
 
-def _rounded(obj, digits: int = 5):
-    """``obj`` (plotly's JSON) with every float at ``digits`` significant digits: a figure's
-    points need no more, and full precision triples the executed notebook's size."""
-    if isinstance(obj, float):
-        return float(f"{obj:.{digits}g}")
-    if isinstance(obj, list):
-        return [_rounded(v, digits) for v in obj]
-    if isinstance(obj, dict):
-        return {k: _rounded(v, digits) for k, v in obj.items()}
-    return obj
+def rounded(value, digits: int = 4):
+    """A JSON-like ``value`` with every float at ``digits`` significant digits, for reading (the
+    book's evidence) or for size (the plotly twins a run keeps)."""
+    if isinstance(value, float):
+        return float(f"{value:.{digits}g}")
+    if isinstance(value, dict):
+        return {k: rounded(v, digits) for k, v in value.items()}
+    if isinstance(value, list):
+        return [rounded(v, digits) for v in value]
+    return value
 
 
 def keep_twin(twin) -> None:
@@ -362,7 +362,7 @@ def keep_twin(twin) -> None:
     ``workbench run`` job does this for every twin, so that the book and JupyterLab show the
     executed notebook's figures interactive without re-running it."""
     if twin is not None:
-        display({PLOTLY_MIME: _rounded(json.loads(twin.to_json())),
+        display({PLOTLY_MIME: rounded(json.loads(twin.to_json()), 5),
                  "text/plain": "(the interactive version of the figure: JupyterLab or the book)"},
                 raw=True)
 

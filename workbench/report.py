@@ -36,8 +36,8 @@ def collect(root: Path) -> list[dict]:
         rel = d.relative_to(root)
         if any(part.startswith(".") for part in rel.parts):
             continue            # a job being assembled, or the leftovers of an interrupted one
-        job = _read_json(d / "job.json")
-        met = _read_json(d / "metrics.json")
+        job = read_json(d / "job.json")
+        met = read_json(d / "metrics.json")
         spec = job.get("job", {})
         status, error = job.get("status", "ok" if met else "unknown"), job.get("error", "")
         if status in ("ok", "cached") and (d / "metrics.json").exists() and not met:
@@ -65,7 +65,8 @@ def collect(root: Path) -> list[dict]:
     return records
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
+    """The JSON object in ``path``; {} when it is absent, unreadable or not an object."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):       # absent, or unreadable: the record says what it can
@@ -76,7 +77,7 @@ def _read_json(path: Path) -> dict:
 def planned_but_missing(root: Path, records: list[dict]) -> list[dict]:
     """Records for the jobs ``plan.json`` lists that left no result (the batch was stopped, or
     the runner killed, before they finished), so that every planned job is in the report."""
-    plan = _read_json(Path(root) / PLAN_NAME)
+    plan = read_json(Path(root) / PLAN_NAME)
     have = {r["rel"] for r in records}
     out = []
     for j in plan.get("jobs", []):
@@ -97,13 +98,13 @@ def run_info(root: Path, records: list[dict]) -> dict:
     ``plan.json`` when there is one, else from the jobs' ``env.json`` and file times."""
     import time
     root = Path(root)
-    plan = _read_json(root / PLAN_NAME)
+    plan = read_json(root / PLAN_NAME)
     commits: dict[str, bool] = {}
     git = plan.get("git") or {}
     if git.get("commit"):
         commits[git["commit"]] = bool(git.get("dirty"))
     for r in records:
-        g = _read_json(Path(r["dir"]) / "env.json").get("git") or {}
+        g = read_json(Path(r["dir"]) / "env.json").get("git") or {}
         if g.get("commit"):
             commits[g["commit"]] = commits.get(g["commit"], False) or bool(g.get("dirty"))
     started = plan.get("started")

@@ -28,8 +28,8 @@ from pathlib import Path
 
 from .env import project_root
 
-__all__ = ["SEEDS", "RESULTS_TAG", "EXPLORE_TAG", "results_dir", "path", "notebook_key", "zoo_keys", "current_key", "record",
-           "load", "stale", "Recorded", "table", "show", "render", "say", "findings", "main"]
+__all__ = ["SEEDS", "RESULTS_TAG", "EXPLORE_TAG", "results_dir", "path", "notebook_key",
+           "zoo_keys", "current_key", "record", "load", "stale", "Recorded", "table", "show", "render", "say", "findings", "main"]
 
 SEEDS = (0, 1, 2)           # the seeds a recorded result covers
 RESULTS_TAG = "results"     # a code cell tagged so shows recorded results: not part of the key

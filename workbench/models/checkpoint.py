@@ -311,15 +311,13 @@ def validate(value, param: str = "model", kind: str = "lm", need: str = "lm",
             raise CheckpointError(f"{at}{param} = {value!r}: no tokenizer in {d} (none of "
                                   f"{', '.join(TOKENIZER_FILES)}); save one there with "
                                   "tokenizer.save_pretrained(path)")
-        w = pad_warning(d, param)
-        if w:
-            if _special(d, "eos_token") is None:
-                raise CheckpointError(f"{at}{param} = {value!r}: the tokenizer has neither a pad "
-                                      "nor an eos token; set tok.pad_token and save it")
-            warnings.append(w)
-        w = bos_warning(d, param)
-        if w and _special(d, "eos_token") is not None:
-            warnings.append(w)
+        for token, warning in (("pad", pad_warning), ("bos", bos_warning)):
+            w = warning(d, param)
+            if w and _special(d, "eos_token") is None:
+                raise CheckpointError(f"{at}{param} = {value!r}: the tokenizer has neither a "
+                                      f"{token} nor an eos token; set tok.{token}_token and "
+                                      "save it")
+            warnings += [w] if w else []
     try:
         est = estimate(d, kind)
     except Exception as e:                  # an architecture this transformers does not know
