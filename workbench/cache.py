@@ -8,8 +8,13 @@ is renamed into place when finished, so two builders build once and a half-writt
 read. An entry is finished when its ``ready`` file exists.
 
 Shipped entries. The checkout ships the zoo's smoke builds in ``data/zoo`` (:func:`shipped_root`),
-laid out as ``root()/zoo``. :func:`build` copies a shipped entry into the cache instead of making
-it, so every machine starts from the same weights; ``force`` makes it anew from the recipe.
+laid out as ``root()/zoo``, and the entries the notebooks' smoke runs derive from them (fine-tunes,
+sweeps, routers: seed 0, what ``make run`` and ``make test`` use) in ``data/smoke``
+(:func:`smoke_root`), laid out as ``root()``. :func:`build` copies a shipped entry into the cache
+instead of making it, so every machine starts from the same weights and a fresh clone trains
+nothing at smoke; ``force`` makes it anew. Each entry a process asks for is noted
+(:func:`entries`): a run lists them, how each was got (built, copied, already there), in its
+``metrics.json``, which is what ``workbench zoo ship --smoke RUN`` ships.
 
 This module sits on the ground floor: it imports nothing from the package but :mod:`env`, and
 neither torch nor transformers.
@@ -27,8 +32,8 @@ from filelock import FileLock
 
 from .env import cache_dir, project_root
 
-__all__ = ["root", "folder", "key", "build", "is_built", "remove", "shipped_root", "shipped",
-           "note_use", "used"]
+__all__ = ["root", "folder", "key", "build", "is_built", "remove", "shipped_root", "smoke_root",
+           "shipped", "note_use", "used", "entries"]
 
 
 def root() -> Path:
@@ -56,15 +61,31 @@ def shipped_root() -> Path:
     return project_root() / "data" / "zoo"
 
 
-def shipped(path: Path, ready: str = "done.json") -> Path | None:
-    """The finished shipped copy of the cache entry at ``path``, or None (not a zoo entry, or
-    not shipped at this key)."""
+def smoke_root() -> Path:
+    """The notebooks' derived smoke entries the checkout ships (``data/smoke``), laid out as
+    ``root()``."""
+    return project_root() / "data" / "smoke"
+
+
+def _relative(path: Path) -> Path | None:
+    """``path`` relative to the cache root, or None when it lies outside."""
     try:
-        rel = Path(path).resolve().relative_to((root() / "zoo").resolve())
+        return Path(path).resolve().relative_to(root().resolve())
     except ValueError:
         return None
-    src = shipped_root() / rel
-    return src if is_built(src, ready) else None
+
+
+def shipped(path: Path, ready: str = "done.json") -> Path | None:
+    """The finished shipped copy of the cache entry at ``path``: the zoo's (``data/zoo``) for an
+    entry under ``root()/zoo``, else a smoke run's (``data/smoke``); None when neither ships it
+    at this key (or ``path`` is outside the cache)."""
+    rel = _relative(path)
+    if rel is None:
+        return None
+    places = [smoke_root() / rel]
+    if rel.parts[:1] == ("zoo",):
+        places.insert(0, shipped_root() / rel.relative_to("zoo"))
+    return next((src for src in places if is_built(src, ready)), None)
 
 
 def is_built(path: Path, ready: str = "done.json") -> bool:
@@ -86,10 +107,12 @@ def build(path: Path, make: Callable[[Path], dict | None], ready: str = "done.js
     """
     path = Path(path)
     if is_built(path, ready) and not force:
+        _note(path, ready, "there")
         return path, False
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path) + ".lock"):
         if is_built(path, ready) and not force:
+            _note(path, ready, "there")
             return path, False
         tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -110,7 +133,24 @@ def build(path: Path, make: Callable[[Path], dict | None], ready: str = "done.js
             os.rename(path, old)
             shutil.rmtree(old, ignore_errors=True)
         os.rename(tmp, path)
+    _note(path, ready, "copied" if src is not None else "built")
     return path, src is None
+
+
+_ENTRIES: dict[str, dict] = {}
+
+
+def _note(path: Path, ready: str, how: str) -> None:
+    rel = _relative(path)
+    if rel is not None:                  # an entry outside the cache (a test's folder) is not one
+        _ENTRIES.setdefault(rel.as_posix(), {"entry": rel.as_posix(), "ready": ready, "how": how})
+
+
+def entries() -> list[dict]:
+    """The cache entries this process asked :func:`build` for, in order: ``{"entry": path
+    relative to the cache root, "ready": its ready file, "how": "built" | "copied" (from a shipped
+    copy) | "there" (already in the cache)}``, the first time each was asked for."""
+    return list(_ENTRIES.values())
 
 
 _USED: set[str] = set()

@@ -299,14 +299,17 @@ def cmd_zoo(args) -> int:
             print("nothing built yet: `workbench zoo build --all`")
         return 0
     if args.action == "ship":
+        from . import cache
         from .models import shipped
         try:
-            for line in shipped.ship():
-                print(line)
+            lines = shipped.ship_smoke(*args.smoke) if args.smoke else shipped.ship()
         except FileNotFoundError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        print(f"data/zoo: {shipped.size_bytes() / 1e6:.1f} MB; commit it with the recipe change")
+        print("\n".join(lines))
+        zoo_mb, smoke_mb = (shipped.size_bytes(r) / 1e6 for r in (cache.shipped_root(),
+                                                                   cache.smoke_root()))
+        print(f"data/zoo: {zoo_mb:.1f} MB, data/smoke: {smoke_mb:.1f} MB; commit it with the change")
         return 0
     if args.action == "clear":
         if len(args.name) > 1:
@@ -483,6 +486,10 @@ def parser() -> argparse.ArgumentParser:
     z.add_argument("--all", action="store_true",
                    help="build: every recipe and the LoRA pool")
     z.add_argument("--json", action="store_true", help="list: one JSON card per line")
+    z.add_argument("--smoke", nargs="+", metavar="RUN", default=None,
+                   help="ship: instead of the zoo, the cache entries the smoke runs under these "
+                        "run folders derived from it (fine-tunes, sweeps...) into data/smoke, "
+                        "so a fresh clone's notebooks train nothing")
     z.add_argument("--jobs", type=int, default=2,
                    help="build of several: builds at a time, one CPU thread each (default 2)")
     return p

@@ -314,7 +314,7 @@ class Run:
                 "duration_s": round(self.duration_s, 2), "params": _jsonable(self.params),
                 "sizes": _jsonable(self.resolved_sizes), "metrics": self.metrics,
                 "claims": [c.__dict__ for c in self.claims], "figures": self.figures,
-                "zoo": cache.used()}
+                "zoo": cache.used(), "cache": cache.entries()}
 
     def finish(self) -> "Verdicts":
         """Write ``metrics.json``, ``params.json``, ``env.json``; return the verdict table.

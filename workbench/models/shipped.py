@@ -12,17 +12,29 @@ NAME --force`` rebuilds locally.
 :func:`entries` lists what must be shipped at today's keys, :func:`check` what is wrong with
 ``data/zoo`` (missing, stale or mislabelled), :func:`ship` copies finished local builds there
 (``workbench zoo ship``, after a recipe change and a rebuild).
+
+The smoke runs' own entries. What the notebooks derive from the zoo on first use (19's adapted
+models, 16's fine-tunes, 11's routers, 06's GRPO and readers, 01's streams, 04's sweep...) took a
+fresh clone's ``make run`` from about 8 minutes of notebooks to 28. They are shipped too, in
+``data/smoke`` laid out as the cache (:func:`workbench.cache.smoke_root`): :func:`ship_smoke` copies
+the entries that runs used (each run's ``metrics.json`` lists them, :func:`workbench.cache.entries`)
+and writes ``MANIFEST.json`` (entry, ready file, the notebooks that use it, bytes);
+:func:`check_smoke` says what is wrong with it. Their keys are computed inside the experiments, so
+a code change that moves one leaves the shipped copy unused (the notebook builds as before, and
+the run's ``metrics.json`` says ``built``): ship again from a fresh ``make run``.
 """
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 from .. import cache
 from . import adapters, clip, zoo
 
-__all__ = ["SCALE", "FILES", "entries", "check", "ship", "size_bytes"]
+__all__ = ["SCALE", "FILES", "entries", "check", "ship", "size_bytes", "smoke_entries",
+           "ship_smoke", "check_smoke", "MANIFEST"]
 
 SCALE = "smoke"
 # what a shipped folder keeps (lock files, peft's README and temporary folders stay behind)
@@ -101,3 +113,77 @@ def size_bytes(root: Path | None = None) -> int:
     """The shipped zoo's size on disk (the issue asks for about 60 MB at most)."""
     root = Path(root or cache.shipped_root())
     return sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+
+
+MANIFEST = "MANIFEST.json"
+_SMOKE_SKIP = ("README.md",)          # peft's boilerplate beside an adapter
+
+
+def smoke_entries(*run_dirs: Path) -> dict[str, dict]:
+    """``{entry: {"ready", "notebooks"}}``: the cache entries the smoke runs under ``run_dirs``
+    used (their ``metrics.json``), less the zoo's own (shipped in ``data/zoo``)."""
+    zoo_own = {("zoo" / rel).as_posix() for rel, _ in entries().values()}
+    out: dict[str, dict] = {}
+    for run_dir in run_dirs:
+        for m in sorted(Path(run_dir).rglob("metrics.json")):
+            met = json.loads(m.read_text())
+            if met.get("scale") != SCALE:
+                continue
+            for e in met.get("cache", []):
+                if e["entry"] in zoo_own:
+                    continue
+                d = out.setdefault(e["entry"], {"ready": e["ready"], "notebooks": []})
+                if met.get("notebook") and met["notebook"] not in d["notebooks"]:
+                    d["notebooks"].append(met["notebook"])
+    if not out:
+        raise FileNotFoundError(f"no smoke run under {', '.join(map(str, run_dirs))} lists its "
+                                "cache entries (run the notebooks first: `workbench run --all`)")
+    return dict(sorted(out.items()))
+
+
+def ship_smoke(*run_dirs: Path, root: Path | None = None) -> list[str]:
+    """Ship every entry the smoke runs under ``run_dirs`` used, from the cache into ``root``
+    (``data/smoke``, made anew: what no run used is gone), with the manifest; return what
+    changed. Raises, and touches nothing, when an entry is not in the cache (a run on another
+    cache root)."""
+    root = Path(root or cache.smoke_root())
+    wanted = smoke_entries(*run_dirs)
+    for rel, d in wanted.items():
+        if not cache.is_built(cache.root() / rel, d["ready"]):
+            raise FileNotFoundError(f"{rel} is not in the cache {cache.root()}: ship from the "
+                                    "cache the runs used (WORKBENCH_CACHE)")
+    old = (json.loads((root / MANIFEST).read_text())["entries"]
+           if (root / MANIFEST).exists() else {})
+    tmp = root.parent / f".{root.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    done = []
+    for rel, d in wanted.items():
+        src = cache.root() / rel
+        for f in sorted(src.rglob("*")):
+            if f.is_file() and f.name not in _SMOKE_SKIP:
+                (tmp / rel / f.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(f, tmp / rel / f.relative_to(src))
+        d["bytes"] = size_bytes(tmp / rel)
+        if rel not in old:
+            done.append(f"shipped {rel} ({d['bytes'] / 1e6:.1f} MB; {', '.join(d['notebooks'])})")
+    done += [f"removed {rel}" for rel in old if rel not in wanted]
+    (tmp / MANIFEST).write_text(json.dumps({"entries": wanted}, indent=1) + "\n")
+    shutil.rmtree(root, ignore_errors=True)
+    os.rename(tmp, root)
+    return done
+
+
+def check_smoke(root: Path | None = None) -> list[str]:
+    """What is wrong with the shipped smoke entries at ``root`` (``data/smoke``): [] when every
+    manifest entry is there and finished, and every file belongs to one."""
+    root = Path(root or cache.smoke_root())
+    if not (root / MANIFEST).exists():
+        return [f"{root / MANIFEST} is missing (`workbench zoo ship --smoke RUN`)"]
+    wanted = json.loads((root / MANIFEST).read_text())["entries"]
+    problems = [f"{rel}: in the manifest but not finished (no {d['ready']})"
+                for rel, d in wanted.items() if not cache.is_built(root / rel, d["ready"])]
+    for f in sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST):
+        rel = f.relative_to(root).as_posix()
+        if not any(rel.startswith(w + "/") for w in wanted):
+            problems.append(f"{rel}: in no manifest entry (ship again, or remove it)")
+    return problems
