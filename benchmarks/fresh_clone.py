@@ -7,8 +7,10 @@ no cache, no ``.venv``) into a temporary folder, and each phase is one ``make`` 
 outside: ``bootstrap`` (``.venv``: CPU torch from the wheel cache, then the package),
 ``zoo`` (the shipped checkpoints copied into the cache), then ``run`` (19 notebooks at smoke)
 or ``test`` (what ``.ci/run`` calls). Nothing else should run meanwhile: the numbers are wall
-time. The phases and the load average are printed and written as JSON. Usage, from the
-repository root:
+time. The phases and the load average are printed and written as JSON; after ``run``, each
+notebook's seconds and the cache entries it built, copied from the shipped ``data/zoo`` /
+``data/smoke`` or found (its ``metrics.json``): a shipped entry whose key moved shows as built.
+Usage, from the repository root:
 
     python benchmarks/fresh_clone.py --target run --out runs/fresh_clone.json
     python benchmarks/fresh_clone.py --target test
@@ -52,7 +54,9 @@ def main(argv=None) -> int:
     phases["zoo"] = timed(["make", "zoo"], clone, where / "zoo.log")
     if args.target != "zoo":
         phases[args.target] = timed(["make", args.target], clone, where / f"{args.target}.log")
-    total = sum(p["seconds"] for p in phases.values() if isinstance(p, dict))
+    total = sum(p["seconds"] for p in phases.values() if isinstance(p, dict) and "seconds" in p)
+    if args.target == "run":
+        phases["notebooks"] = notebooks(clone / "runs" / "main")
     phases["total_minutes"] = round(total / 60, 1)
     print(json.dumps(phases, indent=1))
     if args.out:
@@ -61,7 +65,21 @@ def main(argv=None) -> int:
     print(f"logs and clone: {where}" if args.keep else f"logs: {where}/*.log", file=sys.stderr)
     if not args.keep:
         subprocess.call(["rm", "-rf", str(clone)])
-    return max(p["rc"] for p in phases.values() if isinstance(p, dict))
+    return max(p["rc"] for p in phases.values() if isinstance(p, dict) and "rc" in p)
+
+
+def notebooks(run_dir: Path) -> dict:
+    """``{slug: {"seconds", "built": [entries], "copied": n, "there": n}}`` from the run's
+    ``metrics.json`` files."""
+    out = {}
+    for m in sorted(run_dir.glob("*/smoke/seed-*/metrics.json")):
+        met = json.loads(m.read_text())
+        how = [e["how"] for e in met.get("cache", [])]
+        out[met["notebook"]] = {"seconds": met.get("duration_s"),
+                                "built": [e["entry"] for e in met.get("cache", [])
+                                          if e["how"] == "built"],
+                                "copied": how.count("copied"), "there": how.count("there")}
+    return out
 
 
 if __name__ == "__main__":

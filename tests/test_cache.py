@@ -109,6 +109,32 @@ def test_a_shipped_entry_is_copied_not_built(tmp_path, monkeypatch):
     assert calls == [] and (where / "card.json").read_text() == '{"from": "shipped"}'
     assert cache.build(where, make, ready="card.json", force=True) == (where, True)
     assert len(calls) == 1 and '"made"' in (where / "card.json").read_text()
-    # not shipped at this key, or not a zoo entry: made as before
+    # not shipped at this key, or the zoo's copy looked for outside the zoo: made as before
     assert cache.shipped(cache.folder("zoo") / "other-smoke-abc", "card.json") is None
     assert cache.shipped(cache.folder("10-hestia") / "pool-smoke-abc", "card.json") is None
+
+
+def test_a_shipped_smoke_entry_is_copied_and_every_entry_is_noted(tmp_path, monkeypatch):
+    """A notebook's derived entry (data/smoke, laid out as the cache; under the zoo's folder too)
+    is copied, never made; the process notes each entry asked for and how it was got."""
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cache, "shipped_root", lambda: tmp_path / "zoo-shipped")
+    monkeypatch.setattr(cache, "smoke_root", lambda: tmp_path / "smoke")
+    for rel in ("16-fura/full-x", "zoo/inducekv/l2p-x"):
+        (tmp_path / "smoke" / rel).mkdir(parents=True)
+        (tmp_path / "smoke" / rel / "done.json").write_text('{"from": "shipped"}')
+    calls = []
+    make = lambda tmp: calls.append(tmp) or {"from": "made"}          # noqa: E731
+    fine_tune = cache.folder("16-fura") / "full-x"
+    stream = cache.folder("zoo", "inducekv") / "l2p-x"
+    assert cache.build(fine_tune, make) == (fine_tune, False)
+    assert cache.build(stream, make) == (stream, False)
+    assert cache.build(fine_tune, make) == (fine_tune, False)          # now in the cache
+    fresh = cache.build(cache.folder("16-fura") / "lora-y", make)[0]   # not shipped: made
+    assert len(calls) == 1 and "made" in (fresh / "done.json").read_text()
+    assert "shipped" in (stream / "done.json").read_text()
+    noted = {e["entry"]: e["how"] for e in cache.entries()}
+    assert noted["16-fura/full-x"] == "copied" and noted["zoo/inducekv/l2p-x"] == "copied"
+    assert noted["16-fura/lora-y"] == "built"
+    cache.build(tmp_path / "elsewhere", make)                         # outside the cache
+    assert not any("elsewhere" in e["entry"] for e in cache.entries())

@@ -1,5 +1,5 @@
 """The shipped zoo (data/zoo): every recipe, the pool and the mini-CLIP at today's keys, and a
-small recipe that rebuilds to its shipped card."""
+small recipe that rebuilds to its shipped card; the smoke runs' derived entries (data/smoke)."""
 import json
 
 import pytest
@@ -48,6 +48,76 @@ def test_ship_touches_nothing_when_an_entry_is_not_built(tmp_path, monkeypatch):
 
 def test_the_shipped_zoo_stays_small():
     assert shipped.size_bytes() < 60e6
+
+
+def test_the_shipped_smoke_entries_are_whole():
+    """data/smoke: every manifest entry finished, no file outside one, nothing the zoo ships."""
+    assert shipped.check_smoke() == []
+    listed = json.loads((cache.smoke_root() / shipped.MANIFEST).read_text())["entries"]
+    zoo_own = {("zoo/" + str(rel)) for rel, _ in shipped.entries().values()}
+    assert listed and not zoo_own & set(listed)
+    assert all(d["notebooks"] for d in listed.values())
+
+
+def _entry(root, rel, files=("done.json", "model.safetensors", "README.md")):
+    for f in files:
+        (root / rel).mkdir(parents=True, exist_ok=True)
+        (root / rel / f).write_text(f)
+
+
+def _run(run_dir, slug, entries, scale="smoke"):
+    d = run_dir / slug / scale / "seed-0"
+    d.mkdir(parents=True)
+    (d / "metrics.json").write_text(json.dumps({"notebook": slug, "scale": scale, "cache": [
+        {"entry": e, "ready": "done.json", "how": "built"} for e in entries]}))
+
+
+def test_ship_smoke_ships_what_the_runs_used_and_drops_the_rest(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
+    runs, out = tmp_path / "runs", tmp_path / "smoke"
+    pool = "zoo/" + str(shipped.entries()["lora-pool/lm-base"][0])     # the zoo's own: not here
+    for rel in ("16-fura/full-a", "zoo/inducekv/l2p-b", "haps/ref-c", pool):
+        _entry(cache.root(), rel)
+    _run(runs, "16-fura", ["16-fura/full-a", pool])
+    _run(runs, "01-inducekv", ["zoo/inducekv/l2p-b", "16-fura/full-a"])
+    _run(runs, "11-haps", ["haps/ref-c"], scale="full")                # a full run: not shipped
+    lines = shipped.ship_smoke(runs, root=out)
+    assert sorted(lines)[0].startswith("shipped 16-fura/full-a")
+    man = json.loads((out / shipped.MANIFEST).read_text())["entries"]
+    assert list(man) == ["16-fura/full-a", "zoo/inducekv/l2p-b"]
+    assert man["16-fura/full-a"]["notebooks"] == ["01-inducekv", "16-fura"]
+    assert man["16-fura/full-a"]["bytes"] == len("done.json") + len("model.safetensors")
+    assert not (out / "16-fura/full-a/README.md").exists()      # peft's boilerplate stays behind
+    assert shipped.check_smoke(out) == []
+    # a later run that no longer uses an entry: it is gone, and said so
+    runs2 = tmp_path / "runs2"
+    _run(runs2, "16-fura", ["16-fura/full-a"])
+    assert shipped.ship_smoke(runs2, root=out) == ["removed zoo/inducekv/l2p-b"]
+    assert not (out / "zoo").exists() and shipped.check_smoke(out) == []
+
+
+def test_ship_smoke_touches_nothing_when_an_entry_is_not_in_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "smoke"
+    _entry(out, "19-nbdiff/old")
+    (out / shipped.MANIFEST).write_text(json.dumps({"entries": {"19-nbdiff/old": {
+        "ready": "done.json", "notebooks": ["19-nbdiff"]}}}))
+    _run(tmp_path / "runs", "19-nbdiff", ["19-nbdiff/new"])
+    with pytest.raises(FileNotFoundError, match="not in the cache"):
+        shipped.ship_smoke(tmp_path / "runs", root=out)
+    assert shipped.check_smoke(out) == [] and (out / "19-nbdiff/old/done.json").exists()
+    with pytest.raises(FileNotFoundError, match="workbench run"):
+        shipped.ship_smoke(tmp_path / "nothing-here", root=out)
+
+
+def test_check_smoke_names_an_unfinished_entry_and_a_stray_file(tmp_path):
+    _entry(tmp_path, "a/b", files=("model.safetensors",))
+    _entry(tmp_path, "stray", files=("x.npy",))
+    (tmp_path / shipped.MANIFEST).write_text(json.dumps({"entries": {"a/b": {"ready": "done.json"}}}))
+    problems = "\n".join(shipped.check_smoke(tmp_path))
+    assert "a/b: in the manifest but not finished (no done.json)" in problems
+    assert "stray/x.npy: in no manifest entry" in problems
+    assert "MANIFEST.json is missing" in shipped.check_smoke(tmp_path / "none")[0]
 
 
 @pytest.mark.slow
