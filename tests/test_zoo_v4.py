@@ -60,6 +60,21 @@ def test_reasoning_mix_renders_easy_items_bare_and_a_share_forced_direct():
     assert training.completions(base, bex) == [e.completion(True) for e in bex]
 
 
+def test_trace_only_families_keep_every_trace_and_the_others_their_share():
+    r = replace(recipes.RECIPES["lm-reasoning"], forced_direct_share=0.5, trace_only=("longadd",))
+    r = replace(r, smoke=replace(r.smoke, n_task_examples=600))
+    exs = training.task_examples(r, r.smoke)
+    forced = [e.family for e, c in zip(exs, training.completions(r, exs)) if c.startswith(" =>")]
+    assert "longadd" in {e.family for e in exs} and "longadd" not in forced
+    assert {"count", "add", "chain"} <= set(forced)
+    assert all(c == e.completion(True) for e, c in zip(exs, training.completions(r, exs))
+               if e.family == "longadd")
+    # an empty trace_only is no field at all for the key (the shipped keys stay)
+    base = recipes.RECIPES["lm-instruct"]
+    assert replace(base, trace_only=()).key("smoke") == base.key("smoke")
+    assert replace(base, trace_only=("longadd",)).key("smoke") != base.key("smoke")
+
+
 def test_fine_tune_key_moves_with_its_base_and_old_keys_stay(monkeypatch):
     # ZOO_VERSION 3 (distinct surfaces) moved every key; lm-tiny's is pinned in test_zoo.py
     r = recipes.RECIPES["lm-reasoning"]

@@ -49,7 +49,7 @@ class Size:
 # (and cached builds) of v1 recipes such as lm-tiny do not move
 _V1_DEFAULTS = {"threads": 1, "loop": "v1", "eval_by_difficulty": False, "context_share": 0.0,
                 "max_shots": 0, "icl_shots": 0, "init_from": None, "direct_levels": None,
-                "forced_direct_share": 0.0, "extra_eval": ()}
+                "forced_direct_share": 0.0, "extra_eval": (), "trace_only": ()}
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,8 @@ class Recipe:
     #                                           easiest difficulties are rendered as bare answers
     forced_direct_share: float = 0.0          # with steps: share of the other examples rendered
     #                                           " => answer" (the forced-direct form, no steps)
+    trace_only: tuple[str, ...] = ()          # with steps: families never rendered forced-direct
+    #                                           (the long-trace family keeps every trace)
     extra_eval: tuple[str, ...] = ()          # families beyond ALL_FAMILIES the card evaluates
     compare_direct: str | None = None         # card only (not in the key): the zoo model whose
     #                                           direct answers this one's forced-direct answers

@@ -144,9 +144,9 @@ def completions(r: Recipe, exs) -> list[str]:
     """The rendered completion of each training example. Without steps: the bare answer. With
     steps: the steps then the answer, except (v4) the ``direct_levels[i]`` easiest difficulties
     of train task ``i``, rendered as bare answers (easy items answered at once), and a
-    ``forced_direct_share`` of the rest (of every family, so the form is known everywhere)
-    rendered ``" => answer"`` (the form of a forced direct answer, notebook 06's
-    ``truncate@0``), drawn with the build seed."""
+    ``forced_direct_share`` of the rest (of every family but ``trace_only``'s, so the form is
+    known everywhere) rendered ``" => answer"`` (the form of a forced direct answer, notebook
+    06's ``truncate@0``), drawn with the build seed."""
     if not r.with_steps:
         return [e.completion(False) for e in exs]
     levels = dict(zip(r.train_tasks, r.direct_levels)) if r.direct_levels else {}
@@ -157,7 +157,8 @@ def completions(r: Recipe, exs) -> list[str]:
     for e in exs:
         if e.difficulty in tasks.get(e.family).difficulties[:levels.get(e.family, 0)]:
             out.append(e.completion(False))
-        elif r.forced_direct_share and rng.random() < r.forced_direct_share:
+        elif (r.forced_direct_share and e.family not in r.trace_only
+              and rng.random() < r.forced_direct_share):
             out.append(f" {tasks.ANSWER_MARK} {e.target}")
         else:
             out.append(e.completion(True))
