@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import workbench
+from workbench import cache
 from workbench.runtime import ClaimFailed, pick_device
 
 SIZES = {"smoke": {"steps": 10, "lr": 0.1, "name": "a"}, "full": {"steps": 1000, "lr": 0.01,
@@ -39,8 +40,10 @@ def test_seeding_makes_runs_repeatable(tmp_path):
     assert torch.equal(a[0], b[0]) and np.array_equal(a[1], b[1])
 
 
-def test_finish_writes_the_contract(tmp_path):
+def test_finish_writes_the_contract(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path / "cache"))
     run = workbench.start("00-test", seed=1, out_dir=tmp_path, lr=0.5)
+    cache.build(cache.folder("00-test") / "sweep-x", lambda tmp: {"acc": 0.5})
     run.record("loss", np.float32(0.25))
     run.record(acc=torch.tensor(0.5), curve=np.arange(3), bad=float("nan"))
     run.claim("C1", "loss is small", holds=np.bool_(True), evidence={"loss": 0.25}, robust=True)
@@ -60,6 +63,9 @@ def test_finish_writes_the_contract(tmp_path):
         ("C1", True, True), ("C2", False, False)]
     assert m["params"]["lr"] == 0.5 and m["figures"] == ["line.png"]
     assert (tmp_path / "figures" / "line.png").stat().st_size > 0
+    # every cache entry the run asked for, and how it got it (what `workbench zoo ship --smoke`
+    # ships, and how a fresh clone's run shows what it still trained)
+    assert {"entry": "00-test/sweep-x", "ready": "done.json", "how": "built"} in m["cache"]
     env = json.loads((tmp_path / "env.json").read_text())
     assert {"git", "packages", "device", "determinism"} <= set(env)
     assert json.loads((tmp_path / "params.json").read_text())["seed"] == 1
