@@ -31,15 +31,16 @@ from workbench.models import training, zoo
 from workbench.models.recipes import RECIPES
 
 
-def variant(steps: int, kv_weight: float, n_task_examples: int, warmup: int, seed: int = 0):
+def variant(steps: int, kv_weight: float, n_task_examples: int, warmup: int, seed: int = 0,
+            family: str = "kv_dense"):
     """lm-base's recipe with kv written as kv_dense (weight ``kv_weight``), ``steps`` steps,
     ``n_task_examples`` examples per unit of weight and build ``seed``; the rest as registered."""
     base = RECIPES["lm-base"]
     i = base.train_tasks.index("kv")
-    fams = base.train_tasks[:i] + ("kv_dense",) + base.train_tasks[i + 1:]
+    fams = base.train_tasks[:i] + (family,) + base.train_tasks[i + 1:]
     weights = base.task_weights[:i] + (kv_weight,) + base.task_weights[i + 1:]
     return replace(base, name="lm-base-kvdense", train_tasks=fams, task_weights=weights, seed=seed,
-                   description=base.description + "; kv as kv_dense (issue 31, session 19)",
+                   description=base.description + f"; kv as {family} (issue 31, session 19)",
                    smoke=replace(base.smoke, steps=steps, warmup=warmup,
                                  n_task_examples=n_task_examples))
 
@@ -81,31 +82,32 @@ def probe(r, steps: int) -> float:
     return (time.time() - t0) / steps
 
 
-def dense_section(model, tok, exclude, n: int) -> dict:
+def dense_section(model, tok, exclude, n: int, family: str = "kv_dense") -> dict:
     """kv_dense: one question at each number of pairs (no demonstrations; ``n`` prompts never
     trained on), and the query after four earlier questions on the same four pairs (the pairs in
     the first; ``n`` contexts) against the same query's pairs-free form alone."""
     out = {"by_pairs": {}}
-    for d in tasks.get("kv_dense").difficulties:
-        exs, share = evaluate.heldout_examples("kv_dense", d, n, exclude)
+    for d in tasks.get(family).difficulties:
+        exs, share = evaluate.heldout_examples(family, d, n, exclude)
         out["by_pairs"][str(d)] = round(evaluate.exact_match(model, tok, exs), 4)
-    ctxs = evaluate.in_context_examples("kv_dense", 4, n, 4, exclude)
+    ctxs = evaluate.in_context_examples(family, 4, n, 4, exclude)
     out["after_4_questions"] = round(evaluate.in_context_accuracy(model, tok, ctxs, False, 4), 4)
     out["n"] = n
     return out
 
 
-def by_position(model, tok, n: int, shots: int = 6) -> dict:
+def by_position(model, tok, n: int, shots: int = 6, family: str = "kv_dense") -> dict:
     """kv_dense at four pairs by the question's place in its context (1: the question on the
     pairs' own line; k: after k - 1 earlier questions on the same pairs), split by whether the
     asked key was asked before in the context (then the answer also stands after that earlier
     question) or not (only the pairs hold it); ``n`` contexts of ``shots + 1`` questions."""
-    ctxs = tasks.contexts("kv_dense", n, shots, seed=777, difficulty=4)
+    ctxs = tasks.contexts(family, n, shots, seed=777, difficulty=4)
+    key = lambda e: e.prompt.split(" ; ")[-1].lstrip("; ")                  # noqa: E731
+    ask = ctxs[0][1].prompt[:-1]                  # how a later question starts: "; " or " ; "
     out = {}
     for p in range(1, shots + 2):
         cut = [c[:p] for c in ctxs]
-        asked = [c[-1].prompt[2:] in {e.prompt.split(" ; ")[-1].lstrip("; ") for e in c[:-1]}
-                 for c in cut]
+        asked = [key(c[-1]) in {key(e) for e in c[:-1]} for c in cut]
         row = {}
         for name, keep in (("new key", False), ("asked before", True)):
             sub = [c for c, a in zip(cut, asked) if a == keep and (p > 1 or not keep)]
@@ -113,10 +115,12 @@ def by_position(model, tok, n: int, shots: int = 6) -> dict:
                 row[name] = [round(evaluate.in_context_accuracy(model, tok, sub, False), 3),
                              len(sub)]
         out[str(p)] = row
-    exs = tasks.generate("kv_dense", n, 12345, 4)   # the first question on a line of its own
-    out["1, on its own line"] = round(evaluate.exact_match(model, tok, [
-        replace(e, prompt=e.prompt.replace(" ; ", "\n; ")) for e in exs]), 3)
-    out["1, as drawn"] = round(evaluate.exact_match(model, tok, exs), 3)
+    for d in tasks.get(family).difficulties:    # one question, as drawn and on its own line
+        exs = tasks.generate(family, n, 12345, d)
+        own = [replace(e, prompt=e.prompt.replace(" ; ", "\n" + ask)) for e in exs]
+        out[f"{d} pairs, one question as drawn / on its own line"] = [
+            round(evaluate.exact_match(model, tok, exs), 3),
+            round(evaluate.exact_match(model, tok, own), 3)]
     return out
 
 
@@ -145,6 +149,7 @@ def main():
     ap.add_argument("--kv-weight", type=float, default=6.0)
     ap.add_argument("--n-task-examples", type=int, default=40000)
     ap.add_argument("--seed", type=int, default=0, help="the build seed (init, data, order)")
+    ap.add_argument("--family", choices=("kv_dense", "kv_dense_sp"), default="kv_dense")
     ap.add_argument("--dry", action="store_true", help="print the mix's counts and stop")
     ap.add_argument("--probe", type=int, default=0, help="time this many steps and stop")
     ap.add_argument("--n", type=int, default=200, help="kv_dense prompts per cell")
@@ -153,7 +158,7 @@ def main():
                     help="kv_dense by the question's place in its context (a built variant)")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    r = variant(a.steps, a.kv_weight, a.n_task_examples, a.warmup, a.seed)
+    r = variant(a.steps, a.kv_weight, a.n_task_examples, a.warmup, a.seed, a.family)
     print("variant key", r.key("smoke"), "cache", cache.root(), flush=True)
     if a.dry:
         print(json.dumps(mix(r), indent=1))
@@ -167,14 +172,14 @@ def main():
     base = json.loads((cache.shipped_root() / shipped.name / "card.json").read_text())
     model, tok = zoo.load(r.name, "smoke", recipe=r)
     if a.positions:
-        print(json.dumps(by_position(model, tok, a.n), indent=1))
+        print(json.dumps(by_position(model, tok, a.n, family=a.family), indent=1))
         exs = tasks.generate("kv", 4, 12345, 4)          # what it writes for the registry's kv
         for e, c in zip(exs, evaluate.generate(model, tok, [e.prompt for e in exs], 4)):
             print(repr(e.prompt), "->", repr(c), "want", repr(e.completion()))
         return
     card = model.zoo_card
     exclude = {e.prompt for d in training.task_documents(r, r.smoke) for e in d}
-    dense = dense_section(model, tok, exclude, a.n)
+    dense = dense_section(model, tok, exclude, a.n, a.family)
     print(table(card, base, dense))
     if a.out:
         with open(a.out, "w") as fh:

@@ -35,7 +35,8 @@ them unless a recipe names them. ``kv_dense`` (issue 31, docs/zoo-v4-a.md sessio
 example reads ``"kv m7 b9 u2 ; u"`` -> ``"2"`` (no space before the answer, ``Example.lead``,
 so the value is the token after the key in the pairs and in the answer alike); a context is
 that example and then questions on the same pairs (the rule), one a line: ``"kv m7 b9 u2 ; u2"``,
-``"; m7"``, ``"; u2"``, each answer labelled when trained as a document.
+``"; m7"``, ``"; u2"``, each answer labelled when trained as a document. ``kv_dense_sp`` writes
+the later questions ``" ; m"`` as the first one is (the same ``;`` token after the line break).
 
 Characters in string tasks (inputs and answers) are space-separated so that a byte-level BPE
 sees one token per symbol. Nothing here imports torch.
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import random
 import zlib
+from functools import partial
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -270,23 +272,25 @@ def _kv_pairs(rng):
     return {k: str(rng.randint(0, 9)) for k in rng.sample(LETTERS, 5)}
 
 
-def _make_kv_dense(rng, d, rule, seen=None, question_only=False):
+def _make_kv_dense(rng, d, rule, seen=None, question_only=False, name="kv_dense", ask="; "):
     """``kv m7 b9 u2 ; u`` -> ``2``: the first ``d`` pairs of ``rule``, the value token right
     after its key, one key asked (drawn with ``rng``), the answer without a leading space;
-    ``question_only`` writes just ``; u`` (a later question of a context, the pairs above it)."""
+    ``question_only`` writes just ``ask`` and the key, ``; u`` (a later question of a context,
+    the pairs above it; ``kv_dense_sp``: `` ; u``, the first question's tokens)."""
     pairs = list(rule.items())[:d]
     k, v = pairs[rng.randrange(d)]
-    prompt = f"; {k}" if question_only else f"kv {' '.join(a + b for a, b in pairs)} ; {k}"
-    return Example("kv_dense", prompt, v, d, None, {"pairs": d, "rule": dict(pairs)}, lead="")
+    prompt = f"{ask}{k}" if question_only else f"kv {' '.join(a + b for a, b in pairs)} ; {k}"
+    return Example(name, prompt, v, d, None, {"pairs": d, "rule": dict(pairs)}, lead="")
 
 
-def _kv_dense_context(rng, shots, difficulty=None):
+def _kv_dense_context(rng, shots, difficulty=None, name="kv_dense", ask="; "):
     """One set of pairs (the rule) and ``shots + 1`` questions on it: the first example carries
     the pairs, each later one is a bare question ``; k`` (so with no demonstrations the query is
     an ordinary ``kv_dense`` example)."""
     d = int(difficulty if difficulty is not None else rng.choice(KV_DENSE_DIFFICULTIES))
     rule = _kv_pairs(rng)
-    return [_make_kv_dense(rng, d, rule, question_only=i > 0) for i in range(shots + 1)]
+    return [_make_kv_dense(rng, d, rule, question_only=i > 0, name=name, ask=ask)
+            for i in range(shots + 1)]
 
 
 KV_DENSE_DIFFICULTIES = (2, 3, 4, 5)
@@ -405,6 +409,12 @@ OPTIONAL: dict[str, Family] = {f.name: f for f in [
     Family("kv_dense", "kv with the value token right after its key (kv m7 b9 u2 ; u -> 2) and "
            "several questions on one set of pairs per context (the rule)", "kv_dense",
            _make_kv_dense, KV_DENSE_DIFFICULTIES, rule=_kv_pairs, make_context=_kv_dense_context),
+    # session 19: kv_dense's first question reads " ; u" (Ġ;), its later ones "; u" (;): here
+    # every question is " ; u", so the standalone item is the form trained most
+    Family("kv_dense_sp", "kv_dense with every question written ' ; k' (the later ones too)",
+           "kv_dense_sp", partial(_make_kv_dense, name="kv_dense_sp", ask=" ; "),
+           KV_DENSE_DIFFICULTIES, rule=_kv_pairs,
+           make_context=partial(_kv_dense_context, name="kv_dense_sp", ask=" ; ")),
 ]}
 
 
