@@ -15,6 +15,10 @@ questions on the same pairs, and prints the card beside the shipped lm-base's.
     WORKBENCH_CACHE=/work/cache-kv19 python benchmarks/lm_base_kv_dense.py --dry
     WORKBENCH_CACHE=/work/cache-kv19 python benchmarks/lm_base_kv_dense.py --probe 20
     WORKBENCH_CACHE=/work/cache-kv19 python benchmarks/lm_base_kv_dense.py --out /tmp/kv19.json
+
+Session 19's builds (docs/zoo-v4-a.md): A ``--steps 5000 --kv-weight 20 --n-task-examples 60000
+--seed 0`` (and ``--seed 1``); B the same with ``--family kv_dense_sp --steps 4000`` (every
+question written `` ; k``, the first question's tokens). Add ``--positions`` to read a built one.
 """
 from __future__ import annotations
 
