@@ -28,6 +28,16 @@ query. Alone, a prompt of such a family cannot be solved (each example draws its
 families, ``shots + 1`` independent examples), :func:`render_context` writes them as one text
 (examples separated by ``CONTEXT_SEP``; no ``<bos>`` between them, as pretraining sees a document).
 
+Optional formats (``OPTIONAL``, off by default): families that :func:`get` finds but that
+:func:`names`, ``FAMILIES`` and ``ICL_FAMILIES`` do not list, so no card, pool or notebook sees
+them unless a recipe names them. ``kv_dense`` (issue 31, docs/zoo-v4-a.md sessions 18-19) is
+``kv`` with the value token right after its key and several questions on one set of pairs: an
+example reads ``"kv m7 b9 u2 ; u"`` -> ``"2"`` (no space before the answer, ``Example.lead``,
+so the value is the token after the key in the pairs and in the answer alike); a context is
+that example and then questions on the same pairs (the rule), one a line: ``"kv m7 b9 u2 ; u2"``,
+``"; m7"``, ``"; u2"``, each answer labelled when trained as a document. ``kv_dense_sp`` writes
+the later questions ``" ; m"`` as the first one is (the same ``;`` token after the line break).
+
 Characters in string tasks (inputs and answers) are space-separated so that a byte-level BPE
 sees one token per symbol. Nothing here imports torch.
 """
@@ -35,11 +45,12 @@ from __future__ import annotations
 
 import random
 import zlib
+from functools import partial
 from dataclasses import dataclass, field
 from typing import Callable
 
 __all__ = ["ANSWER_MARK", "STEP_SEP", "CONTEXT_SEP", "LETTERS", "ICL_FAMILIES", "Example", "final_answer", "exact_match",
-           "Family", "FAMILIES", "names", "get", "generate", "score", "same_surface",
+           "Family", "FAMILIES", "OPTIONAL", "names", "get", "generate", "score", "same_surface",
            "problem_split", "draw_problems", "contexts", "render_context"]
 
 ANSWER_MARK = "=>"
@@ -57,12 +68,14 @@ class Example:
     difficulty: int
     steps: list[str] | None = None
     metadata: dict = field(default_factory=dict)
+    lead: str = " "          # between the prompt and a bare answer ("" in kv_dense: the value
+    #                          token follows the key token, as in the pairs)
 
     def completion(self, with_steps: bool = False) -> str:
         """The reference completion: the answer, or the steps then ``=> answer``."""
         if with_steps and self.steps:
             return " " + STEP_SEP.join(self.steps) + f" {ANSWER_MARK} " + self.target
-        return " " + self.target
+        return self.lead + self.target
 
     def text(self, with_steps: bool = False) -> str:
         """Prompt and reference completion as one line (what a model is trained on)."""
@@ -95,6 +108,8 @@ class Family:
     stream: str | None = None             # share another family's random draws (same inputs)
     rule: Callable[[random.Random], object] | None = None   # in-context family: draws the rule
     #                                       of one context; ``make(rng, d, rule)`` then uses it
+    make_context: Callable | None = None  # ``(rng, shots, difficulty) -> examples``: a family
+    #                                       whose context is not ``shots`` independent demos
 
     def generate(self, n: int, seed: int = 0, difficulty: int | None = None) -> list[Example]:
         """``n`` examples, the same for the same (family, seed, difficulty) on every machine.
@@ -112,6 +127,8 @@ class Family:
 
     def context(self, rng: random.Random, shots: int, difficulty: int | None = None) -> list[Example]:
         """``shots`` demonstrations then a query, sharing one rule when the family has one."""
+        if self.make_context is not None:
+            return self.make_context(rng, shots, difficulty)
         pick = lambda: int(difficulty if difficulty is not None else rng.choice(self.difficulties))  # noqa: E731
         if self.rule is None:
             return [self.make(rng, pick()) for _ in range(shots + 1)]
@@ -249,6 +266,36 @@ def _make_kv(rng, d):
     return Example("kv", f"kv {ctx} ; {keys[q]}?", str(vals[q]), d, None, {"pairs": d})
 
 
+def _kv_pairs(rng):
+    """The rule of one ``kv_dense`` context: five keys and their one-digit values (a context of
+    difficulty ``d`` shows the first ``d``)."""
+    return {k: str(rng.randint(0, 9)) for k in rng.sample(LETTERS, 5)}
+
+
+def _make_kv_dense(rng, d, rule, seen=None, question_only=False, name="kv_dense", ask="; "):
+    """``kv m7 b9 u2 ; u`` -> ``2``: the first ``d`` pairs of ``rule``, the value token right
+    after its key, one key asked (drawn with ``rng``), the answer without a leading space;
+    ``question_only`` writes just ``ask`` and the key, ``; u`` (a later question of a context,
+    the pairs above it; ``kv_dense_sp``: `` ; u``, the first question's tokens)."""
+    pairs = list(rule.items())[:d]
+    k, v = pairs[rng.randrange(d)]
+    prompt = f"{ask}{k}" if question_only else f"kv {' '.join(a + b for a, b in pairs)} ; {k}"
+    return Example(name, prompt, v, d, None, {"pairs": d, "rule": dict(pairs)}, lead="")
+
+
+def _kv_dense_context(rng, shots, difficulty=None, name="kv_dense", ask="; "):
+    """One set of pairs (the rule) and ``shots + 1`` questions on it: the first example carries
+    the pairs, each later one is a bare question ``; k`` (so with no demonstrations the query is
+    an ordinary ``kv_dense`` example)."""
+    d = int(difficulty if difficulty is not None else rng.choice(KV_DENSE_DIFFICULTIES))
+    rule = _kv_pairs(rng)
+    return [_make_kv_dense(rng, d, rule, question_only=i > 0, name=name, ask=ask)
+            for i in range(shots + 1)]
+
+
+KV_DENSE_DIFFICULTIES = (2, 3, 4, 5)
+
+
 def _make_count(rng, d):
     alphabet = LETTERS[:4]
     chars = [rng.choice(alphabet) for _ in range(d)]
@@ -356,6 +403,19 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            "arith+long", _make_longadd, (6, 8, 10, 12, 14), True),
 ]}
 ICL_FAMILIES = tuple(f for f, fam in FAMILIES.items() if fam.rule is not None)
+# formats off by default: get() finds them, names()/FAMILIES/ICL_FAMILIES (and so every card,
+# pool and notebook) do not list them; a recipe that names one trains on it
+OPTIONAL: dict[str, Family] = {f.name: f for f in [
+    Family("kv_dense", "kv with the value token right after its key (kv m7 b9 u2 ; u -> 2) and "
+           "several questions on one set of pairs per context (the rule)", "kv_dense",
+           _make_kv_dense, KV_DENSE_DIFFICULTIES, rule=_kv_pairs, make_context=_kv_dense_context),
+    # session 19: kv_dense's first question reads " ; u" (Ġ;), its later ones "; u" (;): here
+    # every question is " ; u", so the standalone item is the form trained most
+    Family("kv_dense_sp", "kv_dense with every question written ' ; k' (the later ones too)",
+           "kv_dense_sp", partial(_make_kv_dense, name="kv_dense_sp", ask=" ; "),
+           KV_DENSE_DIFFICULTIES, rule=_kv_pairs,
+           make_context=partial(_kv_dense_context, name="kv_dense_sp", ask=" ; ")),
+]}
 
 
 def names() -> list[str]:
@@ -363,6 +423,8 @@ def names() -> list[str]:
 
 
 def get(name: str) -> Family:
+    if name in OPTIONAL:
+        return OPTIONAL[name]
     if name not in FAMILIES:
         raise KeyError(f"unknown task family {name!r}; families are {names()}")
     return FAMILIES[name]
