@@ -14,8 +14,8 @@ NAME --force`` rebuilds locally.
 (``workbench zoo ship``, after a recipe change and a rebuild).
 
 The smoke runs' own entries. What the notebooks derive from the zoo on first use (19's adapted
-models, 16's fine-tunes, 11's routers, 06's GRPO and readers, 01's streams, 04's sweep...) took a
-fresh clone's ``make run`` from about 8 minutes of notebooks to 28. They are shipped too, in
+models, 16's fine-tunes, 11's routers, 06's GRPO and readers, 01's streams, 04's sweep...) kept a
+fresh clone's ``make run`` 28 minutes in its notebooks (10 with them shipped). They ship too, in
 ``data/smoke`` laid out as the cache (:func:`workbench.cache.smoke_root`): :func:`ship_smoke` copies
 the entries that runs used (each run's ``metrics.json`` lists them, :func:`workbench.cache.entries`)
 and writes ``MANIFEST.json`` (entry, ready file, the notebooks that use it, bytes);
