@@ -40,7 +40,8 @@ def variant(steps: int, kv_weight: float, n_task_examples: int, warmup: int, see
     """lm-base's recipe with kv written as kv_dense (weight ``kv_weight``), ``steps`` steps,
     ``n_task_examples`` examples per unit of weight and build ``seed``; the rest as registered."""
     base = RECIPES["lm-base"]
-    i = base.train_tasks.index("kv")
+    # lm-base trains kv_dense_sp since session 20 (the registered form of build B)
+    i = next(i for i, f in enumerate(base.train_tasks) if f in ("kv", "kv_dense", "kv_dense_sp"))
     fams = base.train_tasks[:i] + (family,) + base.train_tasks[i + 1:]
     weights = base.task_weights[:i] + (kv_weight,) + base.task_weights[i + 1:]
     return replace(base, name="lm-base-kvdense", train_tasks=fams, task_weights=weights, seed=seed,

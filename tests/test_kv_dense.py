@@ -1,6 +1,6 @@
 """kv_dense, the optional dense look-up format of kv (issue 31, docs/zoo-v4-a.md session 19):
 the value token right after its key, several questions on one set of pairs labelled as one
-document; off by default (no listed family, card or recipe changes)."""
+document; off by default (no listed family), named by lm-base's recipe only (session 20)."""
 from dataclasses import replace
 
 import pytest
@@ -9,11 +9,17 @@ from workbench.data import packing, tasks as T
 from workbench.models import recipes, training
 
 
-def test_off_by_default():
+def test_off_by_default_but_in_lm_bases_mix():
     for f in ("kv_dense", "kv_dense_sp"):
         assert f not in T.names() and f not in T.ICL_FAMILIES and f not in T.FAMILIES
         assert T.get(f) is T.OPTIONAL[f]
-        assert all(f not in r.train_tasks for r in recipes.RECIPES.values())
+    # session 20: lm-base trains kv in its dense form and its card scores it alone; no other
+    # recipe names either format
+    assert [r.name for r in recipes.RECIPES.values() if "kv_dense_sp" in r.train_tasks] == \
+        ["lm-base"]
+    assert all("kv_dense" not in r.train_tasks for r in recipes.RECIPES.values())
+    base = recipes.RECIPES["lm-base"]
+    assert "kv" not in base.train_tasks and base.extra_eval == ("kv_dense_sp",)
     for ex in T.generate("kv", 10, 0, 4) + T.generate("tag", 10, 0, 3):
         assert ex.lead == " " and ex.completion() == " " + ex.target     # surfaces unchanged
 
@@ -56,3 +62,16 @@ def test_value_token_follows_its_key_and_every_answer_is_labelled(name):
         assert all(pieces[i + 1] == table[pieces[i].strip()] for i in keys)   # and in the pairs
         if name == "kv_dense_sp":            # every question is asked with the same " ;" token
             assert len({pieces[i - 2] for i in answers}) == 1
+
+
+def test_the_card_reads_kv_dense_sp_as_a_trained_family():
+    from workbench import cards, evaluate
+    assert evaluate.MIDDLE["kv_dense_sp"] == 4
+    card = {"name": "m", "scale": "smoke", "parameters": 1, "tokens_seen": 1, "heldout_ppl": 9.0,
+            "unigram_ppl": 190.0, "trained_tasks": ["reverse"],
+            "trained_in_context": ["kv_dense_sp", "tag"],
+            "task_accuracy_middle": {"reverse": 1.0, "sub": 0.1, "kv_dense_sp": 0.95}}
+    row = cards.card_rows([card])[0]
+    assert row["trained"] == {"reverse": 1.0, "kv_dense_sp": 0.95}    # tag: not scored alone
+    assert row["heldout_best"] == 0.1
+    assert "kv_dense_sp 0.95" in cards.format_cards([card])

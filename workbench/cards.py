@@ -16,7 +16,10 @@ def card_rows(cards: list[dict]) -> list[dict]:
         if "adapters" in c or "error" in c or c.get("kind") == "clip":
             continue
         by = c.get("task_accuracy_middle") or c.get("task_accuracy", {})
-        trained = set(c.get("trained_tasks", []))
+        # an in-context family the card also scores alone (lm-base's kv_dense_sp, with its
+        # pairs in the prompt) reads as a trained family
+        trained = [f for f in c.get("trained_tasks", []) + c.get("trained_in_context", [])
+                   if f in by or f in c.get("trained_tasks", [])]
         rows.append({
             "name": c["name"], "scale": c["scale"], "arch": c.get("arch", "?"),
             "params": c["parameters"], "tokens": c["tokens_seen"],
@@ -24,7 +27,7 @@ def card_rows(cards: list[dict]) -> list[dict]:
             "unigram": round(c["unigram_ppl"], 1),
             "middle": "middle" if "task_accuracy_middle" in c else "easiest",
             "solved": sorted(f for f, a in by.items() if a >= 0.8),
-            "trained": {f: by.get(f) for f in c.get("trained_tasks", []) if f in by},
+            "trained": {f: by.get(f) for f in trained if f in by},
             "heldout_best": max((a for f, a in by.items() if f not in trained), default=None),
             "in_context": _in_context_cell(c),
             "init_from": (c.get("init_from") or {}).get("name"),

@@ -27,7 +27,8 @@ __all__ = ["MIDDLE", "LONG_LEVEL", "heldout_examples", "evaluate_tasks", "in_con
 # pairs, count over 6 letters, motifs of 3
 MIDDLE = {"add": 3, "addmod": 3, "sub": 3, "mul": 2, "chain": 3, "reverse": 5, "sort": 5,
           "rotate": 5, "swap": 5, "dedupe": 5, "kv": 4, "count": 6, "pattern": 3,
-          "pattern_skip": 3, "lettermap": 2, "digitmap": 2, "pick": 3, "tag": 3, "longadd": 10}
+          "pattern_skip": 3, "lettermap": 2, "digitmap": 2, "pick": 3, "tag": 3, "longadd": 10,
+          "kv_dense": 4, "kv_dense_sp": 4}
 # the difficulty at which a long-trace family's card column is read (papers 18 and 04): 12-digit
 # sums, about 150 tokens written
 LONG_LEVEL = {"longadd": 12}
