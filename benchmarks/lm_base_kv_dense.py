@@ -19,6 +19,8 @@ questions on the same pairs, and prints the card beside the shipped lm-base's.
 Session 19's builds (docs/zoo-v4-a.md): A ``--steps 5000 --kv-weight 20 --n-task-examples 60000
 --seed 0`` (and ``--seed 1``); B the same with ``--family kv_dense_sp --steps 4000`` (every
 question written `` ; k``, the first question's tokens). Add ``--positions`` to read a built one.
+Since session 20 the registered lm-base *is* B (``SMOKE_V4_KV``; its weights are B seed 0's byte
+for byte), so a variant now starts from B's mix and the "shipped" column reads B's card.
 """
 from __future__ import annotations
 

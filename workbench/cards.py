@@ -18,8 +18,8 @@ def card_rows(cards: list[dict]) -> list[dict]:
         by = c.get("task_accuracy_middle") or c.get("task_accuracy", {})
         # an in-context family the card also scores alone (lm-base's kv_dense_sp, with its
         # pairs in the prompt) reads as a trained family
-        trained = [f for f in c.get("trained_tasks", []) + c.get("trained_in_context", [])
-                   if f in by or f in c.get("trained_tasks", [])]
+        trained = c.get("trained_tasks", []) + [f for f in c.get("trained_in_context", [])
+                                                if f in by]
         rows.append({
             "name": c["name"], "scale": c["scale"], "arch": c.get("arch", "?"),
             "params": c["parameters"], "tokens": c["tokens_seen"],

@@ -142,7 +142,8 @@ _V3 = dict(loop="v3", eval_by_difficulty=True, easiest=None, smoke=SMOKE_V3, ful
 # family gained anything from 4 demonstrations (the model had not learned to copy from context).
 # At 1600 steps it copies by position (tag +0.88) but not by key (kv 0.30, lettermap +0.05); four
 # more runs (up to 2400 steps, look-up-heavy mixes, an induction-step format) did not teach keyed
-# look-up either (docs/zoo-v4-a.md), so this build ships with those two preconditions unmet.
+# look-up either (docs/zoo-v4-a.md), so the v4 build shipped with those two preconditions unmet
+# (v4.1 below meets kv).
 SMOKE_V4 = replace(SMOKE_V2, ctx=128, steps=1600, warmup=80)
 # v4.1 (issue 31, session 20): kv is learned inside lm-base's mix only in its dense form
 # (kv_dense_sp: the value token right after its key, several questions on one set of pairs a
