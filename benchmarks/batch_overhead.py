@@ -16,10 +16,11 @@ command (its exit ``rusage``, children included), of the notebooks' kernels, and
 (papermill, the runner, and with dask the scheduler, nannies and workers); what each kernel
 actually sees (threads, ``OMP/MKL/OPENBLAS_NUM_THREADS``, CPU affinity); and the CPU the rest of
 the machine used meanwhile (``others``, in cores: the load the command ran beside). CPU seconds
-and thread counts barely move with load; wall time does. Usage (from the repository root, the
-zoo cached):
+and thread counts barely move with load; wall time does. With ``--write`` what it prints becomes
+the section ``batch-overhead`` of docs/benchmarks.md (``page.py``). Usage (from the repository
+root, the zoo cached):
 
-    python benchmarks/batch_overhead.py --notebook 12-nfi --reps 3 --dask-reps 3
+    python benchmarks/batch_overhead.py --notebook 12-nfi --reps 3 --dask-reps 3 --write
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+import page
 
 ROOT = Path(__file__).resolve().parents[1]
 TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -186,7 +189,14 @@ def main() -> int:
     ap.add_argument("--seeds", default="0,1,2,3", help="the batch of the dask comparison")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--json", type=Path, help="also write every measurement here")
+    ap.add_argument("--write", action="store_true", help="make it docs/benchmarks.md's section")
     args = ap.parse_args()
+    with page.recorded("batch-overhead", args.write):
+        return measure(args)
+
+
+def measure(args) -> int:
+    """The two comparisons, pair by pair, printed as they go."""
     py = sys.executable
     nb = Path(args.notebook) if args.notebook.endswith(".ipynb") else \
         ROOT / "notebooks" / f"{args.notebook}.ipynb"

@@ -4,11 +4,12 @@ reader runs it, a cold build (empty ``--out``) and then a rebuild with nothing c
 Each build is its own ``workbench book`` process (CLI start, the sources, Sphinx with ``--jobs``
 processes); wall time and the CPU seconds of the process and its children (``rusage``) are
 printed, with the machine's load beside it (``/proc/loadavg``): on a shared machine the wall time
-moves with load, the CPU seconds barely. Target (issue 35): at most 2 minutes on 2 cores.
+moves with load, the CPU seconds barely. Target: at most 2 minutes on 2 cores. With ``--write``
+what it prints becomes the section ``book-build`` of docs/benchmarks.md (``page.py``).
 Usage (from the repository root; RUN_DIR a ``workbench run --all`` output, or a folder of
 symlinks to notebook folders of several runs)::
 
-    python benchmarks/book_build.py /work/runs/book-input --reps 2
+    python benchmarks/book_build.py runs/main --reps 2 --write
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import page
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,7 +43,14 @@ def main() -> int:
     ap.add_argument("run_dir")
     ap.add_argument("--reps", type=int, default=1, help="cold builds (each followed by a rebuild)")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--write", action="store_true", help="make it docs/benchmarks.md's section")
     a = ap.parse_args()
+    with page.recorded("book-build", a.write):
+        return measure(a)
+
+
+def measure(a) -> int:
+    """Time ``a.reps`` cold builds, each followed by a rebuild; print one line each."""
     n = sum(1 for p in Path(a.run_dir).iterdir() if p.is_dir() and p.name[:2].isdigit())
     cmd = [sys.executable, "-m", "workbench.cli", "book", a.run_dir, "--jobs", str(a.jobs)]
     print(f"{n} notebook folders in {a.run_dir}; {os.cpu_count()} cores; --jobs {a.jobs}")

@@ -1,6 +1,6 @@
 """A fresh clone, timed as a newcomer meets it: bootstrap, the shipped zoo, then ``make run`` or
-``make test`` (issue 31's targets on the 2-core machine: ``make run`` within 20 minutes, ``.ci/run``
-within 25).
+``make test`` (targets on the 2-core machine: ``make run`` within 20 minutes, ``.ci/run`` within
+25).
 
 The clone is made from this checkout's committed ``HEAD`` (``git clone``: no uncommitted file,
 no cache, no ``.venv``) into a temporary folder, and each phase is one ``make`` target, timed from
@@ -10,10 +10,11 @@ or ``test`` (what ``.ci/run`` calls). Nothing else should run meanwhile: the num
 time. The phases and the load average are printed and written as JSON; after ``run``, each
 notebook's seconds and the cache entries it built, copied from the shipped ``data/zoo`` /
 ``data/smoke`` or found (its ``metrics.json``): a shipped entry whose key moved shows as built.
-Usage, from the repository root:
+With ``--write`` what it prints becomes the section ``fresh-clone-run`` (``-test``, ``-zoo``) of
+docs/benchmarks.md (``page.py``). Usage, from the repository root:
 
-    python benchmarks/fresh_clone.py --target run --out runs/fresh_clone.json
-    python benchmarks/fresh_clone.py --target test
+    python benchmarks/fresh_clone.py --target run --out runs/fresh_clone.json --write
+    python benchmarks/fresh_clone.py --target test --write
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import page
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,7 +48,14 @@ def main(argv=None) -> int:
                     help="the last phase: make run (19 notebooks), make test (CI), or stop at zoo")
     ap.add_argument("--keep", action="store_true", help="keep the clone (its path is printed)")
     ap.add_argument("--out", type=Path, help="write the phases as JSON here")
+    ap.add_argument("--write", action="store_true", help="make it docs/benchmarks.md's section")
     args = ap.parse_args(argv)
+    with page.recorded(f"fresh-clone-{args.target}", args.write):
+        return measure(args)
+
+
+def measure(args) -> int:
+    """Clone, time each phase, print the phases as JSON; the largest exit status."""
     where = Path(tempfile.mkdtemp(prefix="workbench-fresh-"))
     clone = where / "clone"
     subprocess.check_call(["git", "clone", "--quiet", "--no-hardlinks", str(ROOT), str(clone)])

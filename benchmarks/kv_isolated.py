@@ -1,4 +1,4 @@
-"""Is keyed look-up learnable at lm-base's size at all? (issue 31, docs/zoo-v4-a.md, sessions 17-18)
+"""Is keyed look-up learnable at lm-base's size at all? (docs/zoo-lessons.md)
 
 Trains a fresh Llama of lm-base's smoke shape on ``kv`` alone (no prose, no other family), one
 padded example a row and the loss on the answer only, and prints exact match at four pairs on
@@ -7,7 +7,7 @@ padded example a row and the loss on the answer only, and prints exact match at 
 symbols, then the same symbols again, loss on every repeated one), the data on which induction
 heads are known to form.
 
-Session 18, the token surface: ``--surface`` writes the same pairs another way (``SURFACES``):
+The token surface: ``--surface`` writes the same pairs another way (``SURFACES``):
 ``today`` is the registry's ``kv m=7 b=9 u=2 ; u?`` -> `` 2`` (tokens ``Ġm = 7 ... Ġu ? Ġ 2``:
 the value two tokens after its key, the answer two after the query key); ``eq`` asks ``; u=`` ->
 ``2`` (a two-token match, key and ``=``, as the in-context maps' ``d ->``); ``adjacent`` writes
@@ -18,7 +18,7 @@ tokenizer, every other id unchanged) is ``Ġm ␣7``: an offset-1 look-up. ``--f
 or ``digitmap`` trains an in-context map instead (contexts of 1-6 demonstrations at one symbol,
 the loss on every answer; exact match of the query after 4 and after 8 demonstrations), in
 ``today``'s ``map d -> q`` or ``adjacent``'s ``map d q``. ``--seed`` draws another init and data.
-Findings (docs/zoo-v4-a.md, session 18): no surface leaves the plateau with one answer a row;
+Findings (docs/zoo-lessons.md): no surface leaves the plateau with one answer a row;
 with eight (``--queries 8``) ``adjacent`` does, ``today`` does not, at 1500 steps.
 
     python benchmarks/kv_isolated.py --lr 1e-3 --layers 4 --steps 1500

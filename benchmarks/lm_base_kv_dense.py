@@ -1,6 +1,6 @@
-"""lm-base with kv's dense look-up format inside its mix (issue 31, docs/zoo-v4-a.md session 19).
+"""lm-base with kv's dense look-up format inside its mix (docs/zoo-lessons.md).
 
-Session 18 found kv learned to >= 0.8 at four pairs at lm-base's smoke shape only when a context
+``benchmarks/kv_isolated.py`` found kv learned to >= 0.8 at four pairs at lm-base's smoke shape only when a context
 carries several questions on one set of pairs and the value token follows its key
 (``kv m7 b9 u2 ; u`` -> ``2``), trained alone for about 640k-770k answers. This script builds a
 *variant* of the registered lm-base recipe (never added to ``RECIPES``) whose ``kv`` is the
@@ -16,11 +16,11 @@ questions on the same pairs, and prints the card beside the shipped lm-base's.
     WORKBENCH_CACHE=/work/cache-kv19 python benchmarks/lm_base_kv_dense.py --probe 20
     WORKBENCH_CACHE=/work/cache-kv19 python benchmarks/lm_base_kv_dense.py --out /tmp/kv19.json
 
-Session 19's builds (docs/zoo-v4-a.md): A ``--steps 5000 --kv-weight 20 --n-task-examples 60000
+The builds compared in docs/zoo-lessons.md: A ``--steps 5000 --kv-weight 20 --n-task-examples 60000
 --seed 0`` (and ``--seed 1``); B the same with ``--family kv_dense_sp --steps 4000`` (every
 question written `` ; k``, the first question's tokens). Add ``--positions`` to read a built one.
-Since session 20 the registered lm-base *is* B (``SMOKE_V4_KV``; its weights are B seed 0's byte
-for byte), so a variant now starts from B's mix and the "shipped" column reads B's card.
+The registered lm-base *is* B (``SMOKE_V4_KV``; its weights are B seed 0's byte for byte), so a
+variant starts from B's mix and the "shipped" column reads B's card.
 """
 from __future__ import annotations
 
@@ -42,12 +42,12 @@ def variant(steps: int, kv_weight: float, n_task_examples: int, warmup: int, see
     """lm-base's recipe with kv written as kv_dense (weight ``kv_weight``), ``steps`` steps,
     ``n_task_examples`` examples per unit of weight and build ``seed``; the rest as registered."""
     base = RECIPES["lm-base"]
-    # lm-base trains kv_dense_sp since session 20 (the registered form of build B)
+    # lm-base trains kv_dense_sp (the registered form of build B); any kv form is swapped
     i = next(i for i, f in enumerate(base.train_tasks) if f in ("kv", "kv_dense", "kv_dense_sp"))
     fams = base.train_tasks[:i] + (family,) + base.train_tasks[i + 1:]
     weights = base.task_weights[:i] + (kv_weight,) + base.task_weights[i + 1:]
     return replace(base, name="lm-base-kvdense", train_tasks=fams, task_weights=weights, seed=seed,
-                   description=base.description + f"; kv as {family} (issue 31, session 19)",
+                   description=base.description + f"; kv as {family}",
                    smoke=replace(base.smoke, steps=steps, warmup=warmup,
                                  n_task_examples=n_task_examples))
 

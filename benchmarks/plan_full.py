@@ -1,5 +1,7 @@
-"""Every notebook's estimated cost at full scale on one H100 (workbench/plan.py), as the README's
-markdown table: ``python benchmarks/plan_full.py [--scale full] [--json OUT]``.
+"""Every notebook's estimated cost at full scale on one H100 (workbench/plan.py), as a markdown
+table: ``python benchmarks/plan_full.py [--scale full] [--json OUT] [--readme] [--write]``.
+``--readme`` rewrites the last column of the README's notebook table; ``--write`` makes the table
+the section ``plan-full`` of docs/benchmarks.md (``page.py``).
 
 Estimates from each notebook's SIZES row and its zoo models' configs at a stated utilisation,
 not measurements (no GPU was at hand when the table was written). The zoo builds a notebook
@@ -17,6 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workbench import notebooks, plan  # noqa: E402
 
+import page  # noqa: E402
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
@@ -24,11 +28,14 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="also write the rows as JSON here")
     ap.add_argument("--readme", action="store_true",
                     help="rewrite the README's notebook table with the estimates' column")
+    ap.add_argument("--write", action="store_true", help="make it docs/benchmarks.md's section")
     args = ap.parse_args(argv)
     rows = [plan.estimate(i.slug, i.path, args.scale).row() for i in notebooks.discover()]
-    print(plan.table(rows))
-    over = [r["notebook"] for r in rows if r["h100_s"] > plan.BUDGET_S]
-    print(f"\nAssumed: {plan.assumptions()}. Over the 10-minute budget: {', '.join(over) or 'none'}.")
+    with page.recorded(f"plan-{args.scale}", args.write, fenced=False):
+        print(plan.table(rows))
+        over = [r["notebook"] for r in rows if r["h100_s"] > plan.BUDGET_S]
+        print(f"\nAssumed: {plan.assumptions()}. Over the 10-minute budget: "
+              f"{', '.join(over) or 'none'}.")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     if args.readme:

@@ -1,19 +1,13 @@
-"""What fewer training steps cost a zoo backbone (issue 18: build time against quality).
+"""What fewer training steps cost a zoo backbone (build time against quality).
 
 Builds each named recipe at each step count into a scratch directory (the cache is not touched)
 and prints its build seconds, held-out perplexity, and exact match at the middle difficulty of
 every trained family, beside the cached build at the recipe's own steps when there is one.
 Run two at a time on a 2-core machine to see the times `zoo build --all` sees.
 
-    python benchmarks/zoo_steps.py lm-instruct --steps 800 900 [--out /tmp/zoo_steps]
+    python benchmarks/zoo_steps.py lm-base --steps 3000 3500 [--out /tmp/zoo_steps]
 
-Measured 2026-12-04 (two builds at a time, one thread each), middle difficulty:
-lm-instruct at 1200 steps (the recipe) reverse 0.95, pattern 0.89, count 0.97 (321 s);
-at 900 steps reverse 0.80, pattern 0.89, count 0.40 (250 s); at 800 reverse 1.00, pattern 0.89,
-count 0.55 (216 s): with a quarter less training it no longer solves 3 families.
-lm-reasoning at 1200 add 0.97, count 1.00, reverse 0.93 (312 s); at 900 add 1.00, count 0.95,
-reverse 0.25, pattern 0.32 (263 s); at 800 add 0.93, count 0.93, reverse 0.80, pattern 0.53
-(222 s). (The cosine schedule follows the step count, so a shorter run also decays sooner.)
+The cosine schedule follows the step count, so a shorter run also decays sooner.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Zoo training throughput against the machine's matmul speed (issue 18).
+"""Zoo training throughput against the machine's matmul speed.
 
 Prints, for the zoo's layer shapes, the fp32 matmul GFLOP/s (forward + backward: three matmuls
 per linear) on the chosen threads, and for each training loop configuration its tokens/s and
@@ -6,18 +6,12 @@ achieved GFLOP/s = (6 * matmul parameters + attention) * tokens/s, as a share of
 figure. Every figure is the median of ``--reps`` repeats (the machine is shared: medians, and the
 best repeat beside them).
 
-    python benchmarks/zoo_throughput.py [--reps 5] [--steps 8] [--compile] [--invariance]
+    python benchmarks/zoo_throughput.py [--reps 5] [--steps 8] [--compile] [--invariance] [--write]
 
-``--invariance`` trains each v3 architecture 15 steps on 1 and on 2 threads and prints the
-largest weight difference (0.0: the thread count does not change the build).
-
-Measured 2026-12-04 on the quiet 2-core machine, lm-base's loop (24 x 96 tokens a step):
-0.238 s a step on 1 thread (1200 steps: 285 s), 0.154 s on 2 threads (1.55x; the whole build
-217 s, weights bit-identical to the 1-thread build); torch.compile 0.203 s a step after a 39 s
-compile (no net gain at 1200 steps); bf16 autocast 0.228 s (avx512_bf16, no AMX: no gain).
-Invariance: Llama and Qwen2 builds are bit-identical on 1 and 2 threads, GPT-2's are not
-(3e-7 to 6e-7 after 15 steps; its Conv1D addmm), nor the mini-CLIP's (which therefore always builds on one
-thread). Two builds at a time on one thread each do more work per second than one on two.
+``--invariance`` trains each architecture (Llama, GPT-2, Qwen2) 15 steps on 1 and on 2 threads
+and prints the largest weight difference (0.0: the thread count does not change the build).
+With ``--write`` what it prints becomes the section ``zoo-throughput`` (``zoo-invariance``) of
+docs/benchmarks.md (``page.py``), where the measured figures are.
 """
 from __future__ import annotations
 
@@ -29,6 +23,7 @@ from dataclasses import replace
 
 import torch
 
+import page
 from workbench.data import corpus
 from workbench.models import zoo
 from workbench.models import training
@@ -77,7 +72,7 @@ def loop_tps(recipe, s, threads: int, steps: int, reps: int, compile_: bool = Fa
     opt, sched = training.optimizer(model, s)
     loop = training.LOOPS[recipe.loop]
     args = (model, opt, sched, text_ids, task_x, task_y, recipe, s, tok.pad_token_id, "cpu")
-    loop = functools.partial(loop, bos_id=tok.bos_token_id)   # v3: per-example positions
+    loop = functools.partial(loop, bos_id=tok.bos_token_id)   # loop v3: per-example positions
     loop(*args, steps=3, desc="warm-up")
     rates = []
     for _ in range(reps):
@@ -115,7 +110,14 @@ def main():
     ap.add_argument("--compile", action="store_true", help="also time torch.compile (slow start)")
     ap.add_argument("--invariance", action="store_true",
                     help="only check that 1 and 2 threads build the same weights")
+    ap.add_argument("--write", action="store_true", help="make it docs/benchmarks.md's section")
     a = ap.parse_args()
+    with page.recorded("zoo-invariance" if a.invariance else "zoo-throughput", a.write):
+        measure(a)
+
+
+def measure(a) -> None:
+    """Print the matmul rates, then each loop's tokens/s against them (or the invariance)."""
     import os
     os.environ.setdefault("WORKBENCH_PROGRESS", "0")
     if a.invariance:

@@ -1,7 +1,7 @@
-"""Short lm-base v4 variants (issue 31): train a variant of the lm-base recipe for a few hundred
+"""Short lm-base variants: train a variant of the lm-base recipe for a few hundred
 steps on one thread and print its card's middle-difficulty scores and in-context column.
 
-    python benchmarks/zoo_v4_base.py --steps 600 --context-share 0.5 --out /tmp/run
+    python benchmarks/lm_base_variant.py --steps 600 --context-share 0.5 --out /tmp/run
 """
 from __future__ import annotations
 
