@@ -197,7 +197,7 @@ def test_an_interrupted_batch_keeps_finished_jobs_and_no_half_written_result(
     assert json.loads((ok_job / "metrics.json").read_text())["claims"]
     assert not half_job.exists()
     assert all(r["notebook"] != "07-half" for r in report.collect(out))
-    # ...but the report lists it, as interrupted (issue 30: every planned job is reported)
+    # ...but the report lists it, as interrupted (every planned job is reported)
     report.build(out, html=False)
     res = pd.read_csv(out / "results.csv").set_index("notebook")
     assert (res.loc["01-ok", "status"], res.loc["07-half", "status"]) == ("ok", "interrupted")
@@ -217,7 +217,7 @@ def test_an_interrupted_batch_keeps_finished_jobs_and_no_half_written_result(
     lines = {ln.split()[0]: ln for ln in again.stdout.splitlines() if ln[:3] in ("01-", "07-")}
     assert " cached " in lines["01-ok"] and " ok " in lines["07-half"]
     assert json.loads((half_job / "metrics.json").read_text())["metrics"]["done"] == 1
-    assert not list(out.rglob("*.partial"))     # what the killed runner left is gone (issue 30)
+    assert not list(out.rglob("*.partial"))     # what the killed runner left is gone
 
 
 @pytest.mark.slow   # papermill end to end
@@ -255,7 +255,7 @@ def test_a_half_written_metrics_json_is_not_trusted(fixture_notebooks, tmp_path,
     assert batch.cached_result(job) is None                    # and a resume runs it again
 
 
-# -- issue 30: batches that cannot hurt each other ----------------------------------------------
+# -- batches that cannot hurt each other --------------------------------------------------------
 def _fixture_helpers():
     """tests/conftest.py's notebook makers, loaded by path: the module name ``conftest`` may
     be the root conftest.py when the whole suite runs."""
@@ -635,3 +635,88 @@ def test_a_read_only_out_is_refused(fixture_notebooks, tmp_path, capsys):
             assert why in err and "Read-only file system" in err and len(err.splitlines()) == 1
     finally:
         subprocess.run(["umount", str(ro)], capture_output=True)
+
+
+def test_a_dry_run_checks_that_out_can_be_created(fixture_notebooks, tmp_path, capsys):
+    # the dry run said it would write into /proc/nope; the real run then refused the folder
+    nb = str(fixture_notebooks / "01-ok.ipynb")
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for out, why in ((Path("/proc/nope"), "cannot create"), (afile, "is a file"),
+                     (afile / "sub", "cannot create")):
+        assert cli.main(["run", nb, "--dry-run", "--out", str(out)]) == 2, out
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and why in err and str(out) in err, err
+        assert len(err.strip().splitlines()) == 1
+    with pytest.raises(batch.RunDirError, match="give --out a folder you can write"):
+        batch.check_run_dir(Path("/proc/nope"))
+    fine = tmp_path / "new" / "run"
+    assert cli.main(["run", nb, "--dry-run", "--out", str(fine)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "notebooks"]   # no trace
+
+
+def test_a_dry_run_names_the_run_that_owns_out(fixture_notebooks, tmp_path, capsys):
+    out = tmp_path / "busy"
+    lock = batch.claim_run_dir(out, "workbench run 01-ok")
+    try:
+        assert cli.main(["run", str(fixture_notebooks / "01-ok.ipynb"), "--dry-run",
+                         "--out", str(out)]) == 2
+        assert "in use by another workbench run" in capsys.readouterr().err
+    finally:
+        lock.close()
+    assert cli.main(["run", str(fixture_notebooks / "01-ok.ipynb"), "--dry-run",
+                     "--out", str(out)]) == 0
+
+
+def test_run_writes_its_report_and_records_nothing(fixture_notebooks, tmp_path, monkeypatch):
+    # the recorded results are tracked files: a plain run never rewrites them (`workbench
+    # record` does, on purpose); the run's own report is written into --out
+    home = fixture_notebooks.parent
+    monkeypatch.setenv("WORKBENCH_HOME", str(home))
+
+    def three_ok(jobs, **kw):
+        for j in jobs:
+            d = Path(j.out)
+            d.mkdir(parents=True)
+            (d / "metrics.json").write_text(json.dumps({
+                "notebook": j.slug, "scale": j.scale, "seed": j.seed, "metrics": {"x": 1},
+                "claims": [{"id": "C1", "text": "x", "holds": True, "robust": True}]}))
+            (d / "job.json").write_text(json.dumps({"status": "ok"}))
+        return [batch.JobResult(j, "ok", 0.0) for j in jobs]
+
+    monkeypatch.setattr(batch, "run_batch", three_ok)
+    out = tmp_path / "run"
+    assert cli.main(["run", "01-ok", "--seeds", "0,1,2", "--out", str(out)]) == 0
+    assert (out / "aggregate.csv").exists() and (out / "index.html").exists()
+    assert not (home / "notebooks" / "results").exists()
+
+
+def test_one_git_info_one_reserved_set_one_limit_check(tmp_path, monkeypatch):
+    # the runner's plan.json and the kernel's env.json disagreed on "dirty" (one counted
+    # untracked files); the reserved names and the limit check each had two homes
+    from workbench import env, notebooks, runtime
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a],
+                                    cwd=repo, check=True, capture_output=True)
+    git("init", "-q")
+    (repo / "a.txt").write_text("a")
+    git("add", "a.txt")
+    git("commit", "-q", "-m", "a")
+    (repo / "scratch.txt").write_text("untracked")
+    info = env.git_info(repo)
+    assert len(info["commit"]) == 40 and info["dirty"] is False       # untracked: not dirty
+    (repo / "a.txt").write_text("b")
+    assert env.git_info(repo)["dirty"] is True
+    assert env.git_info(tmp_path) == {"commit": None, "dirty": None}   # not a repository
+    monkeypatch.setenv("WORKBENCH_HOME", str(repo))
+    assert runtime.environment_info()["git"] == env.git_info(repo) == batch.git_info()
+    assert runtime.RESERVED is notebooks.RESERVED is batch.RESERVED
+    assert list(notebooks.RESERVED) == ["scale", "seed", "device", "out_dir"]
+    monkeypatch.delenv("WORKBENCH_HOME")
+    with pytest.raises(batch.ParameterError) as kernel:
+        runtime.check_limits({"steps": -5}, "12-nfi")
+    with pytest.raises(batch.ParameterError) as runner:
+        batch.plan([resolve("12-nfi")], tmp_path / "never", raw_params={"steps": ["-5"]})
+    assert str(kernel.value) == str(runner.value)
+    assert "'steps' = -5 is outside its limit [1..]" in str(kernel.value)

@@ -1,4 +1,4 @@
-"""The book (issue 35): a run's executed notebooks as a static site, built from a small synthetic
+"""The book: a run's executed notebooks as a static site, built from a small synthetic
 run folder (two notebooks with real records, no execution), then opened in headless Chromium.
 
 The pure parts (which run a chapter shows, the intervals of a claim's evidence, the claims

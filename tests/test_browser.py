@@ -1,4 +1,4 @@
-"""The explorers' live behaviour in a real browser (issue 38): JupyterLab in headless Chromium.
+"""The explorers' live behaviour in a real browser: JupyterLab in headless Chromium.
 
 A notebook with two explorers (``explore`` over a matplotlib drawing, chosen by a dropdown, and
 ``explore_table`` over a table, a plotly figure moved by a slider) is opened in JupyterLab and

@@ -58,7 +58,7 @@ def test_outputs_come_back_from_a_worker_that_writes_elsewhere(fixture_notebooks
     assert m["figures"] == ["line.png"] and m["metrics"]["y"] == 1.0
     assert m["params"]["out_dir"] == str(fig)          # rewritten to where the files are now
     # the notebook ran in the worker's own directory, never in --out; its injected out_dir is
-    # rewritten to the job's folder, so re-running it in Jupyter writes there (issue 30)
+    # rewritten to the job's folder, so re-running it in Jupyter writes there
     nb = nbformat.read(fig / "05-figure.ipynb", as_version=4)
     injected = next(c.source for c in nb.cells if "injected-parameters" in c.metadata.get("tags", []))
     assert injected.split('out_dir = "')[1].split('"')[0] == str(fig)
@@ -166,7 +166,7 @@ def test_a_local_cluster_by_default(fixture_notebooks, tmp_path, capsys):
     assert json.loads(next(out.rglob("job.json")).read_text())["status"] == "ok"
 
 
-# What a kernel sees of the thread settings (issue 37): the variables, torch's and the BLAS pools'
+# What a kernel sees of the thread settings: the variables, torch's and the BLAS pools'
 # thread counts, the CPUs it may run on.
 THREADS_BODY = '''import os
 env = {v: os.environ.get(v) for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",

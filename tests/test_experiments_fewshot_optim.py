@@ -74,7 +74,8 @@ def test_every_method_is_swept_on_every_support_set_selected_on_validation_and_c
     model, tok, names, test, support, val, g, c2 = _setup(tiny)
     assert list(c2.index) == SIZES["shots"] and (c2.adam_step1 > 0).all()
     keep = {}
-    sweeps = lab.sweep_shots(model, tok, names, support, val, test, g, c2, SIZES, 0, keep)
+    sweeps = lab.sweep_shots(model, tok, names, support, val, test, grad_full=g, c2=c2, sizes=SIZES,
+                             seed=0, keep=keep)
     assert list(sweeps) == SIZES["shots"]
     for sw in sweeps.values():
         assert len(sw.table) == len(lab.METHODS) * len(SIZES["lrs"])
@@ -85,7 +86,8 @@ def test_every_method_is_swept_on_every_support_set_selected_on_validation_and_c
     assert set(keep) == {(m, v) for m in lab.FULL for v in SIZES["lrs"]}   # middle shot count: 2
     # a second call reads every run from the cache: nothing is trained, the tables are the same
     again = {}
-    sweeps2 = lab.sweep_shots(model, tok, names, support, val, test, g, c2, SIZES, 0, again)
+    sweeps2 = lab.sweep_shots(model, tok, names, support, val, test, grad_full=g, c2=c2, sizes=SIZES,
+                              seed=0, keep=again)
     assert again == {} and sweeps2[3].table.equals(sweeps[3].table)
     sel = lab.selected(sweeps)
     assert len(sel) == 3 * len(lab.METHODS) and "test_correct" not in sel
@@ -96,8 +98,8 @@ def test_every_method_is_swept_on_every_support_set_selected_on_validation_and_c
     assert row["diff"] == pytest.approx(d["diff"]) and row["low"] <= row["diff"] <= row["high"]
     assert (cmp.loc[("sgd", "peft")].vs == [lab.best_peft(sweeps[k]) for k in SIZES["shots"]]).all()
     # C5 at the selected rates: from keep, or refitted when the sweep read the cache (same numbers)
-    refit = lambda m, v: lab.fit(model, tok, names, m, v, support[2], SIZES["steps"],  # noqa: E731
-                                 lab.budget_ratio(c2, 2), g)[0]
+    refit = lambda m, v: lab.fit(model, tok, names, m, v, support[2], steps=SIZES["steps"],  # noqa: E731
+                                 budget_ratio=lab.budget_ratio(c2, 2), grad_full=g)[0]
     c5 = lab.curvature(keep, sweeps[2], refit, *support[2], iters=2, seed=0)
     c5b = lab.curvature({}, sweeps[2], refit, *support[2], iters=2, seed=0)
     assert list(c5.index) == list(lab.FULL) and (c5.dist_from_init > 0).all()
@@ -116,7 +118,7 @@ def test_a_diverged_run_has_no_validation_accuracy_so_it_is_never_selected(tiny)
     names = list(images.SHAPES_HELDOUT[:3])
     test, support = lab.draw_target(names, [1], n_query=1, noise=0.3, seed=0)
     val = lab.validation_split(names, 1, 0.3, seed=0)
-    clf, losses, init = lab.fit(model, tok, names, "sgd", 1e-3, support[1], 2, 1.0)
+    clf, losses, init = lab.fit(model, tok, names, "sgd", 1e-3, support[1], steps=2, budget_ratio=1.0)
     ok = lab.score(clf, losses, init, val, test)
     bad = lab.score(clf, losses + [float("nan")], init, val, test)
     assert not ok["diverged"] and ok["steps_run"] == 2 and math.isfinite(ok["val_acc"])

@@ -173,15 +173,16 @@ def test_lr_sweep_selects_on_validation_never_on_the_test(monkeypatch, tmp_path)
     monkeypatch.setattr(xp.zoo, "key", lambda base, scale: "k")
     S = {"steps": 4, "batch": 2, "rank": 2, "lora_scale": 2.0, "bits": 4, "group_size": 16,
          "every": 2, "by_head": True}
-    sw = xp.lr_sweep("lm", "smoke", _data(), S, 0, None, 0, "cpu", [1e-2, 1e-3], ["lora", "fura"])
+    kw = dict(seed=0, evaluator=None, pad_id=0, device="cpu")
+    sw = xp.lr_sweep("lm", "smoke", _data(), S, **kw, grid=[1e-2, 1e-3], methods=["lora", "fura"])
     assert xp.best_lrs(sw) == {"lora": 1e-2, "fura": 1e-3}
     assert {s["lr"] for s in seen} == {1e-3, 1e-2} and all(s["by_head"] for s in seen)
     assert all(s["eval"]["val"] == ["v1"] for s in seen)
     n = len(seen)
-    xp.lr_sweep("lm", "smoke", _data(), S, 0, None, 0, "cpu", [1e-2, 1e-3], ["lora", "fura"])
+    xp.lr_sweep("lm", "smoke", _data(), S, **kw, grid=[1e-2, 1e-3], methods=["lora", "fura"])
     assert len(seen) == n                                            # every run from the cache
     with pytest.raises(ValueError, match="validation"):
-        xp.lr_sweep("lm", "smoke", _data(val=False), S, 0, None, 0, "cpu", [1e-3], ["lora"])
+        xp.lr_sweep("lm", "smoke", _data(val=False), S, **kw, grid=[1e-3], methods=["lora"])
 
 
 def test_paired_target_scores_the_same_test_items(monkeypatch):
@@ -205,8 +206,9 @@ def test_paired_target_scores_the_same_test_items(monkeypatch):
 
 def test_task_data_draws_a_test_set_outside_the_cache_key(monkeypatch):
     monkeypatch.setattr(xp.packing, "encode", lambda tok, prompts, completions: [])
-    args = (None, "rotate", 32, 8, 4, ["add"], 0, False)
-    a, b = xp.task_data(*args, n_val=8), xp.task_data(*args, n_val=8, n_test=200)
+    sizes = dict(n_train=32, n_eval=8, n_retain=4, retain_families=["add"], seed=0, with_steps=False)
+    a = xp.task_data(None, "rotate", **sizes, n_val=8)
+    b = xp.task_data(None, "rotate", **sizes, n_val=8, n_test=200)
     assert a.eval_names() == b.eval_names() and a.test == []          # cache keys unchanged
     p = lambda ex: {e.prompt for e in ex}                              # noqa: E731
     assert len(b.test) == 200 and not p(b.test) & (p(b.train) | p(b.val_eval))

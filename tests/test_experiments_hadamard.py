@@ -14,17 +14,17 @@ S = {"env_id": "CartPole-v1", "width": 16, "total_timesteps": 1024, "n_inner_see
 
 
 def test_setup_applies_the_learning_rate_knob_and_the_inner_seeds():
-    s = X.make_setup(S, "ppo", "tanh", 3, 0.1, 0.1, "cpu")
+    s = X.make_setup(S, "ppo", "tanh", 3, tau=0.1, activity_tau=0.1, device="cpu")
     assert s.inner_seeds == [300, 301] and s.family == "classic"
     assert s.agent_cfg["learning_rate"] == 2.5e-3
-    s = X.make_setup(dict(S, learning_rate=1e-3), "ppo", "tanh", 0, 0.1, 0.1, "cpu")
+    s = X.make_setup(dict(S, learning_rate=1e-3), "ppo", "tanh", 0, tau=0.1, activity_tau=0.1, device="cpu")
     assert s.agent_cfg["learning_rate"] == 1e-3 and S["ppo"]["learning_rate"] == 2.5e-3
     with pytest.raises(ValueError):
-        X.make_setup(S, "sac", "tanh", 0, 0.1, 0.1, "cpu")
+        X.make_setup(S, "sac", "tanh", 0, tau=0.1, activity_tau=0.1, device="cpu")
 
 
 def test_the_wide_torso_matches_hr_parameters():
-    sizes = X.torso_sizes(X.make_setup(S, "ppo", "tanh", 0, 0.1, 0.1, "cpu"), 0)
+    sizes = X.torso_sizes(X.make_setup(S, "ppo", "tanh", 0, tau=0.1, activity_tau=0.1, device="cpu"), 0)
     (u_std, n_std), (u_hr, n_hr), (u_wide, n_wide) = (sizes[k] for k in hr.TORSOS)
     assert u_std == u_hr == 16 and u_wide > u_hr
     assert n_hr > n_std and abs(n_wide - n_hr) <= 64 + 3      # within one unit of the wide layer
@@ -71,8 +71,8 @@ def test_a_product_unit_saturates_only_where_both_branches_do():
 
 
 def test_a_short_training_run_measures_every_torso():
-    setup = X.make_setup(dict(S, n_inner_seeds=1, total_timesteps=256), "ppo", "tanh", 0, 0.1,
-                         0.1, "cpu")
+    setup = X.make_setup(dict(S, n_inner_seeds=1, total_timesteps=256), "ppo", "tanh", 0,
+                         tau=0.1, activity_tau=0.1, device="cpu")
     res = X.train_torsos(setup, verbose=False)
     steps = X.checkpoints(res)
     assert len(steps) >= 1 and all(len(res[k]) == 1 for k in hr.TORSOS)
@@ -107,8 +107,8 @@ def test_a_gain_on_the_preactivations_recounts_saturation():
 
 
 def test_evaluation_returns_are_per_seeded_episode_and_repeatable():
-    setup = X.make_setup(dict(S, n_inner_seeds=1, total_timesteps=256), "ppo", "tanh", 0, 0.1,
-                         0.1, "cpu")
+    setup = X.make_setup(dict(S, n_inner_seeds=1, total_timesteps=256), "ppo", "tanh", 0,
+                         tau=0.1, activity_tau=0.1, device="cpu")
     res = X.train_torsos(setup, verbose=False)
     net = res["hadamard"][0]["policy"]
     for greedy in (False, True):
@@ -145,7 +145,7 @@ def test_claim_intervals_are_positive_when_hr_wins():
 
 
 def test_other_agents_skip_when_unsized_and_summarize_when_run():
-    setup = X.make_setup(S, "ppo", "tanh", 0, 0.1, 0.1, "cpu")
+    setup = X.make_setup(S, "ppo", "tanh", 0, tau=0.1, activity_tau=0.1, device="cpu")
     assert X.train_other_agents(dict(S, pqn=None, sac=None), setup) == {}
     sized = dict(S, pqn=dict(env_id="MinAtar/Breakout-v1", total_timesteps=1024, num_envs=4,
                              num_steps=32, diag_every=2, width=16, n_inner_seeds=2),

@@ -36,9 +36,9 @@ def test_static_router_learns_separable_labels():
     g = torch.Generator().manual_seed(0)
     labels = torch.arange(3).repeat(20)
     x = torch.nn.functional.one_hot(labels, 8).float() + 0.05 * torch.randn(60, 8, generator=g)
-    net = X.train_static_router(x, labels, 3, 16, steps=150, lr=1e-2, seed=0)
+    net = X.train_static_router(x, labels, 3, d_h=16, steps=150, lr=1e-2, seed=0)
     assert (net(x).argmax(1) == labels).float().mean() == 1.0
-    again = X.train_static_router(x, labels, 3, 16, steps=150, lr=1e-2, seed=0)
+    again = X.train_static_router(x, labels, 3, d_h=16, steps=150, lr=1e-2, seed=0)
     assert torch.equal(net(x), again(x))                               # seeded
 
 

@@ -31,7 +31,7 @@ def test_selection_curve_finds_the_true_lora_on_separable_features():
     assert (c2.mean_selected >= 1).all() and (c2.mean_selected <= 2).all()
     # the held-out family "h" is not in domain: scoring it as if it were would need a true LoRA
     swapped = X.selection_curve({"a": fit["b"], "b": fit["a"], "c": fit["c"]}, eval_x, eval_fam,
-                                POOL, [16], 1.0, 0.9, 2)
+                                POOL, [16], temperature=1.0, threshold=0.9, k_max=2)
     assert abs(float(swapped.top1_accuracy[0]) - 1 / 3) < 1e-9       # only "c" stays right
 
 
@@ -44,7 +44,8 @@ def test_method_gates_route_every_prompt_as_each_baseline_says():
     mask = np.array([[True, True, False], [False, False, True]])
     kroc = np.array([[3, 1, 0], [0, 0, 4]])
     fam = np.array(["a", "h"])
-    gates = X.method_gates(_bed(), post, mask, kroc, fam, np.array([1, 2]), "b", top_k=2)
+    gates = X.method_gates(_bed(), post, mask, kroc, fam, router_choice=np.array([1, 2]), single="b",
+                           top_k=2)
     for name, (w, k) in gates.items():
         assert w.shape == k.shape == (2, 4), name
         if name != "oracle":                                 # held-out LoRAs serve the oracle only
@@ -111,7 +112,7 @@ def test_at_threshold_counts_as_select_does_and_the_curve_reads_the_variants():
         acc, n = X.at_threshold(v, post, fam, t, 2)
         assert (n == hl.select(post, t, 2).sum(1)).all()
         assert np.isclose(acc.mean(), (n == 1).mean())            # families are equal-sized
-    curve = X.threshold_curve(v, post, fam, [0.5, 0.9, 1.0], 2, pool, held)
+    curve = X.threshold_curve(v, post, fam, [0.5, 0.9, 1.0], k_max=2, pool_families=pool, heldout=held)
     assert list(curve.threshold) == [0.5, 0.9, 1.0]
     assert curve["share with 2+ LoRAs"].is_monotonic_increasing
     assert curve["pool families"].is_monotonic_decreasing and curve["unseen domains"].iloc[-1] < 1

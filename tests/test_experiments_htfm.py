@@ -102,7 +102,8 @@ def test_tiny_end_to_end_comparison():
     models, losses = X.train_models(torch.tensor(mix.x), 1.5, S, gen(3), "cpu")
     assert list(models) == ["gaussian", "student_t", "htfm"] and len(losses["htfm"]) == 5
     masses = X.mode_masses(ref.x, ref.centers, X.RADIUS)
-    rows, samples = X.evaluate_models(models, H.methods_for(1.5), ref, masses, 600, gen(4), "cpu", 0)
+    rows, samples = X.evaluate_models(models, H.methods_for(1.5), ref, masses, n_eval=600,
+                                      generator=gen(4), device="cpu", seed=0)
     assert [(r["method"], r["nfe"]) for r in rows] == [(m, n) for m in models for n in X.NFE]
     assert samples["htfm", 8].shape == (600, 2)
     hills, rho = X.tail_sweep(models["htfm"], {"stable": (1.2, 1.6, 2.0)}, 600, gen(5), "cpu")
@@ -118,7 +119,8 @@ def test_transport_follows_each_source_to_its_sample():
     ident = H.VelocityMLP(2, 0, hidden=4, depth=1)
     for p in ident.parameters():
         torch.nn.init.zeros_(p)                      # v = 0: every sample is its own source
-    table, pairs = X.transport({"student_t": ident}, H.methods_for(1.5), ref, 2000, 4, gen(6), "cpu")
+    table, pairs = X.transport({"student_t": ident}, H.methods_for(1.5), ref, n=2000, nfe=4,
+                                generator=gen(6), device="cpu")
     r0, r1 = pairs["student_t"]
     assert np.allclose(r0, r1, rtol=1e-5) and table.loc["student_t", "spearman"] > 0.999
     assert table.loc["student_t", "top1_ratio"] == pytest.approx(1.0, rel=1e-5)

@@ -39,8 +39,8 @@ def test_perturbation_gaps_are_inside_the_bound():
     assert pb.eps == TINY["eps"] and x.shape == (24, 6) and br.bottleneck_rank(x) == 2
     pb0 = br.LeastSquares(x, r, lam=TINY["lam"])
     d0, info0 = br.prox_grad(pb0, steps=TINY["pg_steps"])
-    c4 = X.perturbation_gaps(x, r, p, TINY["lam"], [1e-1, 1e-2], d0, info0["objective"],
-                             TINY["pg_steps"])
+    c4 = X.perturbation_gaps(x, r, p, lam=TINY["lam"], eps_grid=[1e-1, 1e-2], d0=d0,
+                             f0=info0["objective"], steps=TINY["pg_steps"])
     assert (c4.gap >= -1e-9).all() and (c4.gap <= c4.bound + 1e-9).all()
     assert c4.gap.iloc[1] < c4.gap.iloc[0]
 

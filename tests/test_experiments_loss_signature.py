@@ -50,8 +50,8 @@ def test_signatures_come_back_in_pool_order():
     exs = tasks.generate("add", 4, seed=0, difficulty=1) + tasks.generate("chain", 4, seed=0,
                                                                           difficulty=3)
     traces = ex.solver_traces(exs[::-1], 0.0, 0, "solver")      # long ones first
-    sigs, tokens = ex.pool_signatures(model, tok, traces, [1.0], 2, 2, [0.0, 0.3], seed=0,
-                                      device="cpu", batch=3)
+    sigs, tokens = ex.pool_signatures(model, tok, traces, [1.0], n_dirs=2, dir_rank=2, scales=[0.0, 0.3],
+                                      seed=0, device="cpu", batch=3)
     assert sigs[1.0].shape == (8, 2, 2)
     for i, t in enumerate(traces):
         b = packing.pad(packing.encode(tok, [t.prompt], [t.completion]), tok.pad_token_id)

@@ -72,10 +72,11 @@ def test_lr_sweep_selects_each_path_on_validation_and_caches(monkeypatch, tmp_pa
     S = {"n_corpus": 1, "steps": 2, "batch": 1, "lr": None, "ar_weight": 0.5, "final_block": 4,
          "ctx": 8, "gen_len": 4}
     grid = [3e-3, 3e-4, 1e-3]
-    sw = xp.lr_sweep("lm-base", "smoke", None, None, S, 0, [], val, None, 9, "cpu", grid)
+    kw = dict(seed=0, train=[], val=val, tok=None, mask_id=9, device="cpu", grid=grid)
+    sw = xp.lr_sweep("lm-base", "smoke", None, None, S, **kw)
     assert {p: sw.at_best(p)["lr"] for p in best} == best
     assert len(calls) == 9 and list(sw.table.lr[:3]) == sorted(grid)
-    xp.lr_sweep("lm-base", "smoke", None, None, S, 0, [], val, None, 9, "cpu", grid)
+    xp.lr_sweep("lm-base", "smoke", None, None, S, **kw)
     assert len(calls) == 9                                                  # all from the cache
 
 
@@ -106,7 +107,7 @@ def test_one_vs_two_pass_agree_on_a_tiny_model(n_rows):
     assert (t.two_pass > 0).all()
     assert (t.abs_diff < 1e-4 * t.two_pass.abs().clip(lower=1)).all()
     # the same seed draws the same noise: the comparison is reproducible
-    assert xp.one_vs_two_pass(models, x0, start, 16, 4, 40, 0).equals(t)
+    assert xp.one_vs_two_pass(models, x0, start, ctx=16, size=4, mask_id=40, seed=0).equals(t)
 
 
 class LetterTok:
@@ -131,7 +132,7 @@ def test_decode_sample_says_which_pass_wrote_each_token(size, per_pass):
     from workbench.methods import nbdiff as nd
     model, tok, gen_len = tiny(41), LetterTok(), 8
     ex = tasks.generate("reverse", 1, 0)[0]
-    s = xp.decode_sample(model, tok, ex, gen_len, size, per_pass, mask_id=40)
+    s = xp.decode_sample(model, tok, ex, gen_len=gen_len, size=size, per_pass=per_pass, mask_id=40)
     out, passes = nd.decode(model, xp.prompt_ids(tok, [ex]), gen_len, size, per_pass, 40, True, 0)
     assert s["output"] == tok.convert_ids_to_tokens(out[0].tolist())      # the recorder is inert
     assert s["passes"] == passes and max(s["written_in_pass"]) == passes
@@ -177,7 +178,7 @@ def test_block_size_one_reference_decoder_equals_cached_generate():
 
 def test_speed_compare_rows():
     m = tiny()
-    t = xp.speed_compare(m, m, _tok(0, 38), [[1, 5, 7], [1, 4]], 8, 4, 39, repeats=3)
+    t = xp.speed_compare(m, m, _tok(0, 38), [[1, 5, 7], [1, 4]], gen_len=8, size=4, mask_id=39, repeats=3)
     assert list(t.columns) == ["ar_tokens_per_s", "diffusion_tokens_per_s", "ratio"] and len(t) == 3
     assert (t > 0).all().all()
     assert ((t.ratio - t.diffusion_tokens_per_s / t.ar_tokens_per_s).abs() < 1e-9).all()
@@ -185,7 +186,7 @@ def test_speed_compare_rows():
 
 def test_speed_counts_per_token():
     m = tiny()
-    c = xp.speed_counts(m, m, _tok(0, 38), [[1, 5, 7], [1, 4]], 8, 4, 39)
+    c = xp.speed_counts(m, m, _tok(0, 38), [[1, 5, 7], [1, 4]], gen_len=8, size=4, mask_id=39)
     assert list(c.index) == ["AR generate", "diffusion"]
     assert (c.flops_per_token > 0).all() and (c.bytes_per_token > 0).all()
     # block 4 of the same model: the diffusion decoder re-reads whole blocks, AR one token a step

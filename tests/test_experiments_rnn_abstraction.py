@@ -47,11 +47,12 @@ def test_ablated_states_keep_the_intact_network_and_remove_the_leading_component
 def test_transfer_runs_start_every_condition_from_the_same_init():
     task = _task()
     g = torch.Generator().manual_seed(0)
-    shuf = xp.shuffled_label_rnn(task, S, 1e-2, 0.0, 7, g, "cpu")
+    shuf = xp.shuffled_label_rnn(task, S, lr=1e-2, weight_decay=0.0, input_seed=7, generator=g, device="cpu")
     part = ra.scaffold(shuf.w_hh.detach(), 1)
     ev = {s: task.sample(16, s, torch.Generator().manual_seed(2))["tokens"] for s in ("train", "novel")}
     parts = {"random init": None, "again": None, "scaffold": part}
-    curves, models = xp.transfer_runs(task, parts, S, 1e-2, 0.0, 7, ev, seed=0, device="cpu")
+    curves, models = xp.transfer_runs(task, parts, S, lr=1e-2, weight_decay=0.0, input_seed=7, eval_batch=ev,
+                                      seed=0, device="cpu")
     assert [len(curves[n]) for n in parts] == [2, 2, 2] and set(models) == set(parts)
     for i in range(2):                      # identical conditions: identical curves
         assert np.array_equal(curves["random init"][i]["train"], curves["again"][i]["train"])
@@ -78,13 +79,15 @@ def test_rank_profile_of_a_spiked_matrix():
 
 def test_pattern_classifier_trains_like_the_notebook_and_decay_changes_it():
     task = _task()
-    m = xp.pattern_classifier(task, S, 1e-2, 0.0, 7, torch.Generator().manual_seed(4), "cpu")
+    m = xp.pattern_classifier(task, S, lr=1e-2, weight_decay=0.0, input_seed=7,
+                              generator=torch.Generator().manual_seed(4), device="cpu")
     g = torch.Generator().manual_seed(4)                   # the notebook's inline path
     ref = ra.PatternRNN(task.vocab_size, S["hidden"], S["embed_dim"], task.n_classes,
                         input_seed=7, generator=g)
     ra.train_classifier(ref, task, S["steps"], S["batch"], 1e-2, weight_decay=0.0, generator=g)
     assert torch.equal(m.w_hh, ref.w_hh) and torch.equal(m.table, ref.table)
-    decayed = xp.pattern_classifier(task, S, 1e-2, 0.5, 7, torch.Generator().manual_seed(4), "cpu")
+    decayed = xp.pattern_classifier(task, S, lr=1e-2, weight_decay=0.5, input_seed=7,
+                                    generator=torch.Generator().manual_seed(4), device="cpu")
     assert decayed.w_hh.norm() < m.w_hh.norm()
 
 

@@ -120,7 +120,7 @@ class _OneWeight(torch.nn.Module):
 
 
 def test_numerator_aligned_adam_first_step_is_lr_g_full_over_g_support():
-    """Issue 33: the bias-corrected first moment is the full-data gradient, so the first update
+    """The bias-corrected first moment is the full-data gradient, so the first update
     is lr * g_full / (|g_support| + eps) (seeding the raw moment made it 1 / (1 - beta1) = 10x)."""
     lr = 1e-3
     x, y = torch.tensor([1.0, -2.0]), torch.tensor([0, 0])          # the support set

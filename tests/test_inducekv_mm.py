@@ -1,4 +1,4 @@
-"""InduceKV's continual-VQA stream and trained-gate MoE (paper 01, issue 36): the image prefix
+"""InduceKV's continual-VQA stream and trained-gate MoE (paper 01): the image prefix
 reaches the LM's input embeddings, an entry of an image prompt is still its prefix in context,
 the gate's weights sum to 1 over the live experts and move with training, and the hooked LoRA
 mixture with a one-hot gate is the peft model of that expert. Tiny random models only."""

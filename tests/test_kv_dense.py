@@ -1,6 +1,6 @@
-"""kv_dense, the optional dense look-up format of kv (issue 31, docs/zoo-v4-a.md session 19):
-the value token right after its key, several questions on one set of pairs labelled as one
-document; off by default (no listed family), named by lm-base's recipe only (session 20)."""
+"""kv_dense, the optional dense look-up format of kv (docs/zoo-lessons.md): the value token right
+after its key, several questions on one set of pairs labelled as one document; off by default
+(no listed family), named by lm-base's recipe only."""
 from dataclasses import replace
 
 import pytest
@@ -13,7 +13,7 @@ def test_off_by_default_but_in_lm_bases_mix():
     for f in ("kv_dense", "kv_dense_sp"):
         assert f not in T.names() and f not in T.ICL_FAMILIES and f not in T.FAMILIES
         assert T.get(f) is T.OPTIONAL[f]
-    # session 20: lm-base trains kv in its dense form and its card scores it alone; no other
+    # lm-base trains kv in its dense form and its card scores it alone; no other
     # recipe names either format
     assert [r.name for r in recipes.RECIPES.values() if "kv_dense_sp" in r.train_tasks] == \
         ["lm-base"]

@@ -1,8 +1,10 @@
-"""The house: dependencies inside ``workbench/`` point one way (DESIGN.md)."""
+"""The house: dependencies inside ``workbench/`` point one way (docs/design.md)."""
 import ast
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import workbench
 
@@ -68,6 +70,73 @@ def test_nothing_but_an_experiment_imports_an_experiment():
     for m, targets in import_graph().items():
         if not m.startswith("workbench.experiments"):
             assert not any(t.startswith("workbench.experiments") for t in targets), m
+
+
+# The floors of the house, ground first. A module imports from its own floor or a lower one,
+# never from a floor above. A module is on the floor of its package or of its own name ("data"
+# holds every workbench.data module; "__init__" is the package itself); every module must be on
+# one, so a new module is placed on purpose.
+FLOORS = [
+    # what every floor may use: where it runs, seeds and devices, the device audit, the cache,
+    # progress, plots, costs, diagnostics, statistics over seeds, the notebook files, the sweep
+    # and explorer harnesses
+    ("ground", ("env", "device", "placement", "cache", "progress", "plots", "costs",
+                "diagnostics", "stats", "notebooks", "sweep", "explore")),
+    ("data", ("data",)),                    # task generators, corpus, shipped data sets
+    ("quant", ("quant",)),                  # quantization primitives and GGUF files
+    ("evaluate", ("evaluate",)),            # LM evaluation shared by the zoo and the papers
+    ("models", ("models",)),                # backbones, zoo recipes and training, adapters
+    ("methods", ("methods", "rl")),         # one method per paper; the RL agents
+    ("experiments", ("experiments",)),      # one harness per paper
+    # what drives the notebooks: the run, the runner, reports, the book, the CLI
+    ("top", ("runtime", "plan", "results", "batch", "cluster", "report", "report_html", "book",
+             "template", "cards", "compare", "cli", "__init__")),
+]
+
+
+def floor_of(module: str, floors=FLOORS) -> int:
+    """The floor (0 = ground) of ``workbench.x.y``: the floor that names ``x.y`` or ``x``."""
+    name = module.removeprefix("workbench").lstrip(".") or "__init__"
+    for level, (_, parts) in enumerate(floors):
+        if any(name == p or name.startswith(p + ".") for p in parts):
+            return level
+    raise LookupError(f"{module} is on no floor: add it to FLOORS in tests/test_layering.py")
+
+
+def floor_violations(edges: dict[str, set[str]], floors=FLOORS) -> list[str]:
+    """Every import that reaches up: ``"a (floor) imports b (higher floor)"``."""
+    names = [name for name, _ in floors]
+    found = []
+    for m, targets in sorted(edges.items()):
+        for t in sorted(targets):
+            if floor_of(t, floors) > floor_of(m, floors):
+                found.append(f"{m} ({names[floor_of(m, floors)]}) imports "
+                             f"{t} ({names[floor_of(t, floors)]})")
+    return found
+
+
+def test_the_floor_check_finds_an_import_that_reaches_up():
+    floors = [("ground", ("env",)), ("models", ("models",)), ("top", ("runtime", "__init__"))]
+    edges = {"workbench.models.zoo": {"workbench.runtime", "workbench.env"},
+             "workbench.runtime": {"workbench.models.zoo", "workbench.env"},
+             "workbench": {"workbench.runtime"}, "workbench.env": set()}
+    assert floor_violations(edges, floors) == [
+        "workbench.models.zoo (models) imports workbench.runtime (top)"]
+    assert floor_violations({"workbench.env": {"workbench.models"}}, floors) == [
+        "workbench.env (ground) imports workbench.models (models)"]
+    with pytest.raises(LookupError, match="workbench.nowhere"):
+        floor_of("workbench.nowhere", floors)
+
+
+def test_every_module_is_on_a_floor():
+    for m in import_graph():
+        floor_of(m)
+
+
+def test_no_module_imports_from_a_floor_above_its_own():
+    edges = import_graph()
+    assert "workbench.device" in edges["workbench.models.training"]   # fast math is below models
+    assert floor_violations(edges) == []
 
 
 def test_the_cli_starts_without_torch():

@@ -1,4 +1,4 @@
-"""Notebook hygiene (STYLE.md): no outputs, one literal parameters cell, python3 kernel spec.
+"""Notebook hygiene (docs/design.md): no outputs, one literal parameters cell, python3 kernel spec.
 Executing them is nbval's job (`pytest notebooks --nbval-lax`, see the README)."""
 import ast
 import json

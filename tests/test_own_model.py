@@ -1,4 +1,4 @@
-"""A user's own model (issue 34): every LM notebook's ``model`` takes a zoo name or a local
+"""A user's own model: every LM notebook's ``model`` takes a zoo name or a local
 checkpoint directory; a directory a notebook cannot use is refused before a kernel starts.
 
 Fast: the refusals (through the runner, ``batch.validate_params``, and in the kernel,

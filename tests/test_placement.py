@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from workbench import placement as P
-from workbench.runtime import fast_math
+from workbench.device import fast_math
 
 DEV = P.SENTINEL
 
@@ -87,7 +87,7 @@ def test_fast_math_is_nothing_on_the_cpu():
 @pytest.mark.slow
 @pytest.mark.parametrize("number", ["01", "03", "05", "07", "13", "15"])
 def test_a_notebook_leaves_nothing_on_the_host(number, tmp_path):
-    """The notebooks fixed for issue 34 at smoke under the audit (about 2-3x their plain time):
+    """Notebooks whose device placement was fixed, at smoke under the audit (about 2-3x their plain time):
     no module computes with a host parameter, no call mixes device and host tensors, no device
     tensor goes to numpy."""
     root = Path(__file__).resolve().parents[1]

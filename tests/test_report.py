@@ -75,7 +75,7 @@ def test_report_of_a_missing_directory_says_what_to_give(tmp_path):
 
 
 def test_a_truncated_metrics_json_is_not_ok(tmp_path):
-    # issue 30 item 10: job.json said ok, metrics.json was cut short, and the report said ok
+    # job.json says ok but metrics.json was cut short: the report must not say ok
     d = _job(tmp_path, "12-nfi", {}, 0, {"loss": 1.0}, [])
     (d / "metrics.json").write_text('{"notebook": "12-nfi", "metr')
     _job(tmp_path, "12-nfi", {}, 1, {"loss": 1.0}, [])
@@ -85,7 +85,7 @@ def test_a_truncated_metrics_json_is_not_ok(tmp_path):
 
 
 def test_report_of_an_empty_folder_says_so(tmp_path, capsys):
-    # issue 30 item 10: `workbench report` exited 0 on an empty folder without a word
+    # `workbench report` on an empty folder must fail and say why, not exit 0 silently
     from workbench import cli
     assert cli.main(["report", str(tmp_path)]) == 2
     assert "holds no results" in capsys.readouterr().err
@@ -93,7 +93,7 @@ def test_report_of_an_empty_folder_says_so(tmp_path, capsys):
 
 
 def test_report_names_date_commit_titles_and_explains_its_columns(tmp_path):
-    # issue 30: the report names the run's date, commit and titles; seed columns read "seed 0"
+    # the report names the run's date, commit and titles; seed columns read "seed 0"
     from workbench import batch
     from workbench.notebooks import NotebookInfo
     c = [{"id": "C1", "text": "t", "holds": True, "robust": False}]
@@ -108,3 +108,22 @@ def test_report_names_date_commit_titles_and_explains_its_columns(tmp_path):
     assert "uncommitted changes" in page and "12-nfi: Numerical Feature Inflation" in page
     assert "<th>seed 0</th>" in page and "- · seed 0" not in page
     assert "job time (s)" in page and "notebook time (s)" in page and "run.finish()" in page
+
+
+def test_report_writes_nothing_outside_its_folder(tmp_path, monkeypatch, capsys):
+    # a three-seed smoke run of a notebook the checkout has: `report` used to record it into
+    # the tracked notebooks/results/ unless told not to; recording is `workbench record` now
+    from workbench import cli
+    home, run = tmp_path / "home", tmp_path / "home" / "runs" / "r"
+    (home / "notebooks").mkdir(parents=True)
+    (home / "notebooks" / "12-nfi.ipynb").write_text(json.dumps(
+        {"cells": [], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    monkeypatch.setenv("WORKBENCH_HOME", str(home))
+    c = [{"id": "C1", "text": "t", "holds": True, "robust": False}]
+    for seed in (0, 1, 2):
+        _job(run, "12-nfi", {}, seed, {"loss": 1.0 + seed}, c)
+    before = {p for p in home.rglob("*") if run not in p.parents}
+    assert cli.main(["report", str(run), "--no-html"]) == 0
+    assert {p for p in home.rglob("*") if run not in p.parents} == before
+    assert {"results.csv", "aggregate.csv", "index.html"} <= {p.name for p in run.iterdir()}
+    assert "recorded" not in capsys.readouterr().out

@@ -97,7 +97,7 @@ def test_say_fills_numbers_from_the_record(project, capsys):
     results.record(run)
     text = results.render("99-demo", "C1 holds on {claims[C1]} seeds; acc {metrics[acc]:.2f}, "
                                   "{metrics[nope]:.2f} over seeds {seeds}.")
-    assert text == "C1 holds on 2/3 seeds; acc 0.70 ± 0.16, ? over seeds 0, 1, 2."
+    assert text == "C1 holds on 2/3 seeds; acc 0.70 ± 0.20, ? over seeds 0, 1, 2."    # ddof 1
     assert results.render("99-demo", "{metrics[nope].mean:.1f} {metrics[acc].mean:.1f}") == "? 0.7"
     assert format(results.Stat(5.0, 0.0, [5, 5, 5]), ".0f") == "5"          # a constant: no "± 0"
     results.say("99-demo", "C1 {claims[C1]}")
@@ -140,6 +140,10 @@ def test_compare_reports_moved_metrics_and_verdicts_not_timings(tmp_path):
     assert compare.compare(a, c, tol=1e-3)["differences"] == [
         "99-demo/smoke/seed-0: claim C1: holds True -> False"]
     assert compare.main([str(a), str(a)]) == 0 and compare.main([str(a), str(c)]) == 1
+    from workbench import cli                          # a subcommand like the others
+    assert cli.main(["compare", str(a), str(a)]) == 0
+    assert cli.main(["compare", str(a), str(c), "--tol", "1e-3"]) == 1
+    assert cli.main(["compare", str(a), str(tmp_path / "nowhere")]) == 2
     more = json.loads((a / "99-demo/smoke/seed-0/metrics.json").read_text())
     more["metrics"]["new"] = 1.0                       # recorded for the prose: added, not moved
     assert compare.diff_metrics(json.loads((a / "99-demo/smoke/seed-0/metrics.json").read_text()),
@@ -147,13 +151,92 @@ def test_compare_reports_moved_metrics_and_verdicts_not_timings(tmp_path):
     assert compare.added_metrics({"metrics": {}}, more) == ["acc", "curve.0", "curve.1", "new"]
 
 
-def test_workbench_report_records_a_three_seed_smoke_run(project, capsys):
+def test_report_only_reports_and_record_writes_the_records(project, capsys):
+    """The records are tracked files: `workbench report` writes only inside its folder, and
+    `workbench record` is the one command that writes notebooks/results/."""
     from workbench import cli
     run = project / "runs"
     for s in (0, 1, 2):
         job(run, "99-demo", s, 0.5 + s / 10, True)
-    assert cli.main(["report", str(run), "--no-html", "--no-record"]) == 0
-    assert results.load("99-demo") is None
     assert cli.main(["report", str(run), "--no-html"]) == 0
+    assert "recorded" not in capsys.readouterr().out
+    assert results.load("99-demo") is None and not results.results_dir().exists()
+    assert (run / "aggregate.csv").exists()
+    with pytest.raises(SystemExit):                       # the option is gone with the behaviour
+        cli.main(["report", str(run), "--no-record"])
+    assert cli.main(["record", str(run)]) == 0
     assert f"recorded: {results.path('99-demo')}" in capsys.readouterr().out
     assert results.load("99-demo")["claims"]["C1"]["holds"] == [True, True, True]
+    assert cli.main(["record", str(run), "99-demo"]) == 0          # one notebook of the folder
+    capsys.readouterr()
+
+
+def test_record_says_why_nothing_was_recorded(project, capsys):
+    from workbench import cli
+    run = project / "runs"
+    job(run, "99-demo", 0, 0.5, True)                     # one seed of three
+    assert cli.main(["record", str(run)]) == 1
+    err = capsys.readouterr().err
+    assert "not recorded: 99-demo" in err and "nothing recorded" in err
+    assert results.load("99-demo") is None
+    assert cli.main(["record", str(project / "nowhere")]) == 2
+    assert "not a folder" in capsys.readouterr().err
+    assert cli.main(["record", str(run), "98-nothing"]) == 2
+
+
+def test_what_we_saw_and_aggregate_csv_give_one_spread(project):
+    """The record (What we saw) and aggregate.csv take mean and std from one place: the sample
+    std (ddof 1), 0 for one seed."""
+    from workbench import report, stats
+    run = project / "runs"
+    for s, a in enumerate([0.5, 0.7, 1.2]):
+        job(run, "99-demo", s, a, True)
+    results.record(run)
+    report.build(run, html=False)
+    agg = {r["metric"]: r for r in report.aggregate_rows(report.collect(run))}
+    rec = results.load("99-demo")["metrics"]["acc"]
+    assert rec["std"] == agg["acc"]["std"] == pytest.approx(0.3605551275)
+    assert rec["mean"] == agg["acc"]["mean"] == pytest.approx(0.8)
+    assert stats.mean_std([2.0]) == (2.0, 0.0)
+    assert stats.mean_std([1.0, 3.0]) == (2.0, pytest.approx(2 ** 0.5))
+
+
+def test_a_record_is_carried_over_only_when_no_number_moves(project, capsys):
+    """`workbench record AFTER --unchanged-from BEFORE`: a refactor of a notebook's code keeps its
+    record when runs of the recorded commit and of today's code agree to the last digit."""
+    import subprocess
+    from workbench import cli
+
+    def git(*a):
+        subprocess.run(["git", *a], cwd=project, check=True, capture_output=True)
+
+    def runs(root: Path, accs, commit=None, dirty=False):
+        for s, acc in enumerate(accs):
+            job(root, "99-demo", s, acc, True)
+            d = root / "99-demo/smoke" / f"seed-{s}"
+            (d / "env.json").write_text(json.dumps({"git": {"commit": commit, "dirty": dirty}}))
+            (d / "99-demo.ipynb").write_text((project / "notebooks/99-demo.ipynb").read_text())
+
+    git("init", "-q"); git("add", "notebooks"); git("-c", "user.name=t", "-c", "user.email=t@t",
+                                                    "commit", "-qm", "recorded")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=project, capture_output=True,
+                          text=True).stdout.strip()
+    runs(project / "rec", [0.5, 0.7, 0.9], head)
+    results.record(project / "rec")
+    runs(project / "before", [0.5], head)
+    notebook(project, "99-demo", "x = 1  # a refactor\n")                  # today's code
+    assert results.stale("99-demo") == ["the notebook's code cells changed since the record"]
+    runs(project / "moved", [0.5000001])
+    runs(project / "after", [0.5])
+    assert "moved" in results.rekey("99-demo", project / "before", project / "moved")[0]
+    assert "uncommitted" in results.rekey("99-demo", project / "after", project / "after")[0]
+    notebook(project, "99-demo", "x = 2\n")                                 # a real change
+    assert "did not run today's" in results.rekey("99-demo", project / "before",
+                                                  project / "after")[0]
+    notebook(project, "99-demo", "x = 1  # a refactor\n")
+    assert results.stale("99-demo") != []                                  # nothing written
+    assert cli.main(["record", str(project / "after"), "--unchanged-from",
+                     str(project / "before")]) == 0
+    assert "carried over" in capsys.readouterr().out
+    assert results.stale("99-demo") == []
+    assert results.load("99-demo")["metrics"]["acc"]["values"] == [0.5, 0.7, 0.9]

@@ -7,7 +7,8 @@ import torch
 
 import workbench
 from workbench import cache
-from workbench.runtime import ClaimFailed, pick_device
+from workbench.device import pick_device
+from workbench.runtime import ClaimFailed
 
 SIZES = {"smoke": {"steps": 10, "lr": 0.1, "name": "a"}, "full": {"steps": 1000, "lr": 0.01,
                                                                   "name": "a"}}
@@ -92,8 +93,8 @@ def test_claim_needs_a_computed_bool(tmp_path):
 
 
 def test_default_run_dir_is_interactive_and_one_per_run(tmp_path, monkeypatch):
-    # issue 30: a JupyterLab run and a plain papermill run of one notebook wrote into the same
-    # runs/interactive/<slug> and overwrote each other; each run now gets its own folder
+    # a JupyterLab run and a plain papermill run of one notebook must not write into the same
+    # runs/interactive/<slug> and overwrite each other: each run gets its own folder
     monkeypatch.setenv("WORKBENCH_HOME", str(tmp_path))
     run = workbench.start("00-test")
     assert run.out_dir.parent == tmp_path / "runs" / "interactive" / "00-test"

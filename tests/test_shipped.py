@@ -132,3 +132,32 @@ def test_lm_tiny_rebuilds_to_its_shipped_card(tmp_path, monkeypatch):
     assert got["heldout_ppl"] == pytest.approx(want["heldout_ppl"], rel=PPL_REL_TOL)
     for fam, acc in want["task_accuracy"].items():
         assert abs(got["task_accuracy"][fam] - acc) <= ACC_ABS_TOL, fam
+
+
+def test_zoo_list_on_a_fresh_cache_shows_the_shipped_zoo(tmp_path, monkeypatch, capsys):
+    # a fresh clone's `zoo list` said "nothing built yet: `workbench zoo build --all`", a
+    # half-hour build that the shipped zoo makes needless
+    from workbench import cli
+    monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))
+    assert cli.main(["zoo", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing built" not in out and "zoo build --all" not in out
+    assert f"shipped in {cache.shipped_root()}" in out and "copied into the cache on first use" in out
+    assert "make zoo" in out and "in the cache (" not in out
+    for row in ("| lm-base (smoke) |", "| lm-tiny (smoke) |", "LoRA pool on lm-base",
+                "| clip-mini (smoke) |"):
+        assert row in out, row
+    assert cli.main(["zoo", "list", "--json"]) == 0
+    cards = [json.loads(line) for line in capsys.readouterr().out.splitlines()[1:]]
+    assert len(cards) == len(shipped.entries()) and all(c["shipped"] for c in cards)
+    assert all(c["path"].startswith(str(cache.shipped_root())) for c in cards)
+    # once an entry is in the cache it is listed as built, and no longer as waiting
+    rel, _ = shipped.entries()["lm-micro"]
+    path, built_now = zoo.ensure("lm-micro", "smoke")
+    assert not built_now and path == zoo.zoo_dir() / rel       # copied, not trained
+    assert "lm-micro" not in {c.get("name") for c in shipped.not_copied()}
+    assert cli.main(["zoo", "list"]) == 0
+    out = capsys.readouterr().out
+    built, waiting = out.split("shipped in ")
+    assert "in the cache (" in built and "lm-micro (smoke)" in built
+    assert "lm-micro (smoke)" not in waiting and "lm-base (smoke)" in waiting

@@ -62,7 +62,7 @@ def test_string_rules():
 
 
 def test_every_family_has_its_own_surface_and_paired_rules_keep_their_inputs():
-    # zoo v4 (issue 31): no two families share a prompt surface, so trained skills never
+    # no two families share a prompt surface, so trained skills never
     # contradict each other; each string/recall family starts with its operator word
     assert all(T.same_surface(f) == [] for f in T.names())
     assert len({T.get(f).surface for f in T.names()}) == len(T.names())
@@ -107,7 +107,7 @@ def test_in_context_families_share_a_rule_per_context_and_show_the_query_symbols
 
 
 def test_kv_keys_tokenize_alike_in_the_context_and_the_question():
-    # before v4 the first key had no leading space ("m=7 b=9 ; m?"): "m" and " m" are two tokens
+    # without a leading space the first key ("m=7 b=9 ; m?") would be "m", the question's " m"
     from workbench.models import recipes, training
     r = recipes.RECIPES["lm-base"]
     tok = training.tokenizer(r, r.smoke)            # the recipe's own BPE

@@ -113,8 +113,8 @@ def test_v2_card_lists_every_difficulty_on_unseen_prompts(cache):
 
 
 def test_v1_recipes_keep_their_keys():
-    # lm-tiny's cache key (and so its built weights) must not move with v2 (or v4) fields; it
-    # moved once, with ZOO_VERSION 3 (zoo v4: the prompts of reverse, sort, kv, pattern changed)
+    # lm-tiny's cache key (and so its built weights) must not move with fields added after it;
+    # only ZOO_VERSION (a change of every family's task text) moves it
     assert zoo.RECIPES["lm-tiny"].key("smoke") == "aa3c722abe"
     assert zoo.RECIPES["lm-tiny"].loop == "v1"
     for n in ("lm-base", "lm-instruct", "lm-reasoning", "lm-gpt2", "lm-qwen2", "lm-qbed"):
@@ -217,7 +217,7 @@ def test_build_all_in_parallel_keeps_order_and_reports_a_failed_build(cache):
 
 
 def test_context_documents_tokenize_like_the_rendered_context_and_label_every_answer():
-    # zoo v4: several examples of one family in one row, one <bos>, no attention reset; the
+    # several examples of one family in one row, one <bos>, no attention reset; the
     # training ids are the tokens of the text the card's in-context evaluation prompts with
     from dataclasses import replace
     from workbench.data import packing, tasks

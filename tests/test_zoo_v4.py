@@ -1,4 +1,4 @@
-"""Zoo v4 (issue 31): fine-tunes of a base recipe, the reasoning mix of steps and direct answers,
+"""The zoo's fine-tunes of a base recipe, the reasoning mix of steps and direct answers,
 the forced-direct column and the long-trace family."""
 import statistics
 from dataclasses import replace
@@ -27,7 +27,7 @@ def test_longadd_is_add_on_long_numbers_with_long_traces():
     # a zoo-sized BPE (512 tokens, the task sample lines every recipe uses) writes a 12-digit
     # sum's steps in about 150 tokens
     tok = corpus.train_tokenizer(512, extra_text=corpus.task_lines(
-        recipes.ALL_FAMILIES, 100, seed=2, with_steps=True) + [" ".join(tasks.LETTERS)] * 200)
+        tasks.ALL_FAMILIES, 100, seed=2, with_steps=True) + [" ".join(tasks.LETTERS)] * 200)
     n = [len(tok(e.completion(True), add_special_tokens=False)["input_ids"])
          for e in tasks.generate("longadd", 40, seed=3, difficulty=evaluate.LONG_LEVEL["longadd"])]
     assert statistics.median(n) >= 140

@@ -34,6 +34,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -41,10 +42,11 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .env import git_info
 from .models import checkpoint
-from .notebooks import NotebookError, NotebookInfo, parameters, read_notebook
+from .notebooks import (RESERVED, NotebookError, NotebookInfo, ParameterError, check_limit,
+                        parameters, read_notebook)
 
-RESERVED = {"scale": "--scale", "seed": "--seeds", "out_dir": "--out"}
 KERNEL_START_FAILURE = re.compile(
     r"Kernel didn't respond|Kernel died before replying|Failed to start the kernel|"
     r"No such kernel named|Timeout waiting for kernel_info|kernel_info request timed out")
@@ -58,10 +60,6 @@ STATUSES = {
     "worker-died": "its Dask worker died more often than --retries allows",
     "interrupted": "the batch was stopped (Ctrl-C) before this job finished",
 }
-
-
-class ParameterError(ValueError):
-    """A ``-p`` name or value the notebook's parameters cell does not accept."""
 
 
 @dataclass
@@ -149,23 +147,6 @@ def _coerce(raw: str, type_name: str):
     return yaml.safe_load(raw)
 
 
-def check_limit(info: NotebookInfo, name: str, value, spec: dict, subject: str | None = None
-                ) -> None:
-    """:class:`ParameterError` when ``value`` breaks the limit declared at the end of the
-    parameter's help comment (None passes where the default is None). ``subject``: how the
-    message names the value (default ``parameter 'NAME' = VALUE``)."""
-    limit = spec.get("limit")
-    if limit is None or (value is None and spec.get("default") == "None"):
-        return
-    if value is None or not limit.allows(value):
-        subject = subject or f"parameter '{name}' = {value!r}"
-        about = spec.get("help", "").rstrip()
-        about = about[: -len(limit.text)].rstrip() if about.endswith(limit.text) else about
-        raise ParameterError(
-            f"{info.slug}: {subject} is outside its limit {limit.text} ({limit.describe()})"
-            + (f"; {name}: {about}" if about else ""))
-
-
 def validate_params(info: NotebookInfo, raw: dict[str, list[str]], seeds=(),
                     scale: str | None = None, spec: dict | None = None) -> dict[str, list]:
     """Check every name against the notebook's parameters cell, coerce every value and check it
@@ -178,21 +159,21 @@ def validate_params(info: NotebookInfo, raw: dict[str, list[str]], seeds=(),
         raise ParameterError(str(e)) from None
     for seed in seeds:
         if "seed" in spec:
-            check_limit(info, "seed", seed, spec["seed"], f"--seeds: seed {seed}")
+            check_limit(info.slug, "seed", seed, spec["seed"], f"--seeds: seed {seed}")
     if scale is not None and "scale" in spec:
-        check_limit(info, "scale", scale, spec["scale"], f"--scale {scale}")
+        check_limit(info.slug, "scale", scale, spec["scale"], f"--scale {scale}")
     typed = {}
     for name, values in raw.items():
-        if name in RESERVED:
+        if RESERVED.get(name):
             raise ParameterError(f"{info.slug}: set '{name}' with {RESERVED[name]}, not -p")
         renamed = checkpoint.RENAMED.get(info.slug, {}).get(name)
         if name not in spec and renamed in spec:
             raise ParameterError(f"{info.slug}: parameter '{name}' is now '{renamed}' (one model "
-                                 f"parameter convention, issue 34): -p {renamed} ...")
+                                 f"parameter convention): -p {renamed} ...")
         if name not in spec:
             valid = ", ".join(f"{n} ({s['type']}, default {s['default']})"
                               + (f" {s['limit'].text}" if s.get("limit") else "")
-                              for n, s in spec.items() if n not in RESERVED)
+                              for n, s in spec.items() if not RESERVED.get(n))
             raise ParameterError(f"{info.slug}: unknown parameter '{name}'. "
                                  f"Valid parameters: {valid or '(none)'}")
         out = []
@@ -203,7 +184,7 @@ def validate_params(info: NotebookInfo, raw: dict[str, list[str]], seeds=(),
                 raise ParameterError(
                     f"{info.slug}: parameter '{name}' expects {spec[name]['type']} "
                     f"(default {spec[name]['default']}), got {v!r} ({e})") from None
-            check_limit(info, name, value, spec[name])
+            check_limit(info.slug, name, value, spec[name])
             out.append(value)
         typed[name] = out
     for name, values in typed.items():        # a checkpoint a notebook cannot use: refused now
@@ -379,6 +360,12 @@ class RunDirError(RuntimeError):
     """``--out`` cannot be used: not a folder, not writable, or owned by another run."""
 
 
+def _in_use(out: Path) -> RunDirError:
+    return RunDirError(f"--out {out} is in use by another workbench run "
+                       f"({_owner(Path(out) / LOCK_NAME)}); wait for it to finish or choose "
+                       "another --out")
+
+
 def _owner(path: Path) -> str:
     try:
         info = json.loads(path.read_text())
@@ -386,6 +373,41 @@ def _owner(path: Path) -> str:
                 f"{info.get('command')}")
     except (OSError, ValueError):
         return "another process"
+
+
+WRITABLE_HINT = "give --out a folder you can write (default: a new one under runs/)"
+
+
+def check_run_dir(out: Path) -> None:
+    """What :func:`claim_run_dir` would refuse, found without creating ``out`` (``--dry-run``):
+    :class:`RunDirError` when ``out`` is a file, cannot be created or written, or is in use by
+    another run. A hidden folder is made and removed at once in ``out`` or its nearest existing
+    parent: the one sure test (permission bits do not bind root, and ``/proc`` refuses all)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"--out {out} is a file, not a folder; give a folder for the results")
+    base = out.absolute()
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise RunDirError(f"cannot create --out {out}: {base} is a file, not a folder; "
+                          f"{WRITABLE_HINT}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".workbench-check-", dir=base))
+    except OSError as e:
+        what = "write in" if base == out.absolute() else "create"
+        raise RunDirError(f"cannot {what} --out {out}: {e.strerror or e}; {WRITABLE_HINT}"
+                          ) from None
+    try:
+        import fcntl
+        fh = open(out / LOCK_NAME)
+    except (ImportError, OSError):      # no flock (Windows), or no run has held this folder
+        return
+    with fh:
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)      # released on close
+        except OSError:
+            raise _in_use(out) from None
 
 
 def claim_run_dir(out: Path, command: str = "", exclusive: bool = False):
@@ -403,7 +425,8 @@ def claim_run_dir(out: Path, command: str = "", exclusive: bool = False):
     except FileExistsError:
         raise
     except OSError as e:
-        raise RunDirError(f"cannot create --out {out}: {e.strerror or e}") from None
+        raise RunDirError(f"cannot create --out {out}: {e.strerror or e}; {WRITABLE_HINT}"
+                          ) from None
     path = out / LOCK_NAME
     try:
         fh = open(path, "a+")
@@ -416,8 +439,7 @@ def claim_run_dir(out: Path, command: str = "", exclusive: bool = False):
         pass
     except OSError:
         fh.close()
-        raise RunDirError(f"--out {out} is in use by another workbench run ({_owner(path)}); "
-                          "wait for it to finish or choose another --out") from None
+        raise _in_use(out) from None
     try:
         fh.seek(0)
         fh.truncate()
@@ -454,22 +476,6 @@ def new_run_dir(base: Path, command: str = ""):
         except FileExistsError:
             continue
     raise RunDirError(f"cannot find a free run folder under {base}")
-
-
-def git_info(root: Path | None = None) -> dict:
-    """The commit checked out and whether tracked files differ from it (for the report)."""
-    from .env import project_root
-
-    def git(*args):
-        out = subprocess.run(["git", *args], cwd=root or project_root(), capture_output=True,
-                             text=True, timeout=10)
-        return out.stdout.strip() if out.returncode == 0 else None
-    try:
-        commit = git("rev-parse", "HEAD")
-        dirty = git("status", "--porcelain", "--untracked-files=no")
-        return {"commit": commit, "dirty": None if dirty is None else bool(dirty)}
-    except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None}
 
 
 def write_plan(out: Path, jobs: list[Job], infos: list[NotebookInfo], command: str = "") -> Path:

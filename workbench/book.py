@@ -1,4 +1,4 @@
-"""The book: a batch run's executed notebooks as one static, searchable, offline site (issue 35).
+"""The book: a batch run's executed notebooks as one static, searchable, offline site.
 
 ``workbench book RUN_DIR`` (``make book``) writes Sphinx sources into ``OUT/src`` and builds
 ``OUT/html`` with myst-nb (docs/book.md says why this tool): one chapter per notebook of the run,
@@ -34,7 +34,8 @@ from .env import project_root
 from .plots import PLOTLY_MIME, rounded
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
-DOCS = ["findings", "decisions", "zoo", "gguf", "batches", "book"]  # docs/ pages, in this order
+DOCS = ["findings", "decisions", "zoo", "zoo-lessons", "gguf", "batches", "benchmarks",
+        "book"]  # docs/ pages, in this order
 SHARED = {   # page -> (title, modules shown on it)
     "zoo": ("The zoo: shared backbones and their cards",
             ["workbench/models/recipes.py", "workbench/models/zoo.py",

@@ -70,12 +70,12 @@ def format_cards(cards: list[dict]) -> str:
         lines.append(f"| {r['name']} ({r['scale']}) | {r['arch']} | {r['params'] / 1e6:.2f}M | "
                      f"{r['tokens'] / 1e6:.2f}M | {r['build_s']} | {r['ppl']} ({r['unigram']}) "
                      f"| {fam} | {hb} | {r['in_context']} |")
-    v4 = [r for r in card_rows(cards) if r["init_from"] or r["direct"] or r["long_trace"]]
-    if v4:
+    tuned = [r for r in card_rows(cards) if r["init_from"] or r["direct"] or r["long_trace"]]
+    if tuned:
         lines += ["", "| model | fine-tuned from | forced direct / other's direct (families "
                   "both solve) | long trace: median tokens written, exact match |",
                   "|---|---|---|---|"]
-        for r in v4:
+        for r in tuned:
             d = r["direct"]
             dc = "" if d is None else (f"{d[0]:.2f} ({d[1]:.2f} / {d[2]:.2f} {d[3]}; "
                                        f"{', '.join(d[4])})")

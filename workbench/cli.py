@@ -1,4 +1,5 @@
-"""``workbench list | new | run | plan | report | book | zoo``: the command line. Starts fast (no torch on import)."""
+"""``workbench list | new | run | plan | report | record | compare | book | zoo``: the command
+line. Starts fast (no torch on import)."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import compare
 from . import notebooks as nbs
 from .env import project_root
 from .runtime import SCALES
@@ -144,6 +146,11 @@ def cmd_run(args) -> int:
         print(f"note: {note}", file=sys.stderr)
     n_jobs = args.jobs or os.cpu_count() or 1
     if args.dry_run:
+        try:        # what the real run would refuse when it takes --out
+            batch.check_run_dir(out or project_root() / "runs")
+        except batch.RunDirError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         where = out or project_root() / "runs" / "<YYYYmmdd-HHMMSS>"
         print(f"{len(jobs)} job(s) over {len({j.slug for j in jobs})} notebook(s) would run, "
               f"{min(n_jobs, len(jobs))} at a time, timeout {args.timeout:g} s each -> {where}")
@@ -240,11 +247,61 @@ def cmd_report(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"report: {index}\nresults: {index.parent / 'results.csv'}")
-    if not args.no_record:
-        from . import results        # imports the zoo's recipes (torch) only when it records
-        for path in results.record(Path(args.dir)):
-            print(f"recorded: {path} (What we saw reads it; commit it with the notebook)")
     return 0
+
+
+def cmd_record(args) -> int:
+    """``notebooks/results/<slug>.json`` from a run folder: tracked files, written only here."""
+    run = Path(args.dir)
+    if not run.is_dir():
+        print(f"error: {run} is not a folder; give the --out folder of `workbench run SLUG "
+              "--seeds 0,1,2 --out DIR`", file=sys.stderr)
+        return 2
+    try:
+        slugs = [nbs.resolve(n).slug for n in args.notebooks] if args.notebooks else None
+    except (LookupError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from . import results        # imports the zoo's recipes (torch) for the records' keys
+    if args.unchanged_from:
+        return _rekey(results, Path(args.unchanged_from), run, slugs)
+    written = results.record(run, slugs=slugs)
+    for path in written:
+        print(f"recorded: {path} (What we saw reads it; commit it with the notebook)")
+    seeds = ", ".join(map(str, results.SEEDS))
+    ran = {d.name for d in run.iterdir() if d.is_dir() and (slugs is None or d.name in slugs)
+           and (nbs.notebooks_dir() / f"{d.name}.ipynb").exists()}
+    for slug in sorted(ran - {p.stem for p in written}):
+        print(f"not recorded: {slug}: its default smoke run ({slug}/smoke/) is not ok on every "
+              f"seed of {seeds}", file=sys.stderr)
+    if not written:
+        print(f"error: nothing recorded from {run}: a record needs a notebook's default smoke run "
+              f"ok on seeds {seeds} (`workbench run SLUG --seeds 0,1,2 --out {run}`)",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _rekey(results, before: Path, after: Path, slugs) -> int:
+    """``record AFTER --unchanged-from BEFORE``: move each record's key to today's code where
+    the two folders' runs agree to the last digit (results.rekey)."""
+    if not before.is_dir():
+        print(f"error: {before} is not a folder; give a run folder of the recorded code",
+              file=sys.stderr)
+        return 2
+    slugs = slugs or sorted(d.name for d in after.iterdir() if d.is_dir()
+                            and (nbs.notebooks_dir() / f"{d.name}.ipynb").exists())
+    bad = 0
+    for slug in slugs:
+        why = results.rekey(slug, before, after)
+        bad += bool(why)
+        print(f"{slug}: " + (f"not carried over: {'; '.join(why)} (record it again)" if why else
+                             "carried over: no number or verdict moved"))
+    return 1 if bad else 0
+
+
+def cmd_compare(args) -> int:
+    return compare.run(args)
 
 
 def cmd_book(args) -> int:
@@ -261,13 +318,22 @@ def cmd_book(args) -> int:
 
 
 def cmd_new(args) -> int:
-    from .template import new_notebook
+    from .template import new_paper
     try:
-        path = new_notebook(args.name, title=args.title, force=args.force)
+        paths = new_paper(args.name, title=args.title, module=args.module, dry_run=args.dry_run)
     except (ValueError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {path}: fill every TODO(template), then `workbench run {path.stem}`")
+    root = project_root()
+    print("would write (nothing written):" if args.dry_run else "wrote:")
+    for path in paths:
+        print(f"  {path.relative_to(root)}" + ("  (an entry added)" if path.name in
+                                              ("plan.py", "README.md") else ""))
+    if not args.dry_run:
+        slug = paths[0].stem
+        tests = " ".join(str(p.relative_to(root)) for p in paths if p.parent.name == "tests")
+        print(f"next: rewrite every TODO(template) (grep -rn 'TODO(template)' notebooks workbench "
+              f"tests docs), then `pytest {tests}` and `workbench run {slug}`")
     return 0
 
 
@@ -287,16 +353,23 @@ def cmd_zoo(args) -> int:
         print(f"error: the zoo needs its dependencies ({e}); reinstall the workbench", file=sys.stderr)
         return 2
     if args.action == "list":
-        from .models import adapters, clip
+        from . import cache
+        from .models import adapters, clip, shipped
         print("recipes: " + ", ".join(sorted(zoo.RECIPES) + [clip.NAME]))
         cards = zoo.list_built() + adapters.list_built() + clip.list_built()
+        waiting = shipped.not_copied()      # a fresh clone's zoo: shipped, copied on first use
         if args.json:
-            for card in cards:
+            for card in cards + waiting:
                 print(json.dumps(card))
-        elif cards:
-            print(_format_cards(cards))
-        else:
-            print("nothing built yet: `workbench zoo build --all`")
+            return 0
+        if cards:
+            print(f"in the cache ({zoo.zoo_dir()}):\n" + _format_cards(cards))
+        if waiting:
+            print(("\n" if cards else "") + f"shipped in {cache.shipped_root()}, copied into "
+                  "the cache on first use (or all at once by `make zoo`), nothing trained:\n"
+                  + _format_cards(waiting))
+        if not cards and not waiting:
+            print("nothing built or shipped: `workbench zoo build --all` trains every recipe")
         return 0
     if args.action == "ship":
         from . import cache
@@ -401,15 +474,30 @@ def parser() -> argparse.ArgumentParser:
     ls.add_argument("--width", type=_positive_int, default=100,
                     help="columns to fit in (default 100)")
 
-    n = sub.add_parser("new", help="a new notebook NN-slug.ipynb from the template")
-    n.add_argument("name", help="NN-slug, e.g. 08-htfm")
+    n = sub.add_parser("new", help="a new paper NN-slug: notebook, method, harness, tests, page",
+                       description="Write a new paper, runnable and tested as written: "
+                       "notebooks/NN-slug.ipynb, workbench/methods/NAME.py, "
+                       "workbench/experiments/NAME.py, tests/test_NAME.py, "
+                       "tests/test_experiments_NAME.py and docs/papers/NN-slug.md, plus its "
+                       "cost model in workbench/plan.py and its row in docs/papers/README.md. "
+                       "They hold a placeholder (gradient descent on a quadratic) to replace "
+                       "wherever TODO(template) stands. Refused, with nothing written, when "
+                       "the slug is malformed, NN is taken or any of the files exists.",
+                       epilog="example: workbench new 20-demo-paper --dry-run")
+    n.add_argument("name", help="NN-slug: two digits, a dash, lowercase letters, digits and "
+                   "dashes (e.g. 20-demo-paper)")
     n.add_argument("--title", help="the paper's title (default: from the slug)")
-    n.add_argument("--force", action="store_true", help="overwrite an existing notebook")
+    n.add_argument("--module", metavar="NAME", help="the method's and harness's module name "
+                   "(default: the slug without its number, '-' as '_': demo_paper)")
+    n.add_argument("--dry-run", action="store_true", help="list the files it would write and "
+                   "write nothing")
 
     r = sub.add_parser("run", help="execute notebooks through papermill, in parallel",
                        description="Run notebooks as papermill jobs: one job per notebook x "
                        "parameter set x seed, each in its own folder of --out, then write the "
-                       "report (index.html, results.csv, aggregate.csv).",
+                       "report (index.html, results.csv, aggregate.csv) into it. Nothing outside "
+                       "--out is written: `workbench record DIR` turns a three-seed run into "
+                       "the notebooks' recorded results.",
                        epilog=RUN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("notebooks", nargs="*", metavar="SLUG", help="e.g. 12-nfi (or its number)")
     r.add_argument("--all", action="store_true", help="every notebook")
@@ -456,13 +544,32 @@ def parser() -> argparse.ArgumentParser:
                     help="a notebook parameter or size, as workbench run takes it")
     pl.add_argument("--json", action="store_true", help="one JSON list of the estimates")
 
-    rep = sub.add_parser("report", help="results.csv, aggregate.csv and index.html of a run dir")
+    rep = sub.add_parser("report", help="results.csv, aggregate.csv and index.html of a run dir",
+                         description="Write results.csv, aggregate.csv and index.html into DIR "
+                         "from what its jobs left; nothing outside DIR is written.")
     rep.add_argument("dir")
     rep.add_argument("--no-html", action="store_true",
                      help="do not render executed notebooks as HTML (faster)")
-    rep.add_argument("--no-record", action="store_true",
-                     help="do not write notebooks/results/<slug>.json for notebooks whose default "
-                          "smoke run has seeds 0, 1 and 2 ok here (What we saw reads those files)")
+
+    rec = sub.add_parser("record", help="notebooks/results/<slug>.json from a three-seed run "
+                         "(what a notebook's What we saw shows)",
+                         description="Write notebooks/results/<slug>.json (tracked: commit it with "
+                         "the notebook) for each notebook whose default smoke run in DIR is ok on "
+                         "seeds 0, 1 and 2: every claim's verdict per seed, every scalar metric's "
+                         "mean, std and values. The one command that writes these files.")
+    rec.add_argument("dir", help="a run folder, as `workbench run SLUG --seeds 0,1,2 --out DIR` "
+                     "writes it")
+    rec.add_argument("notebooks", nargs="*", metavar="SLUG",
+                     help="record only these notebooks (default: every one the folder holds)")
+    rec.add_argument("--unchanged-from", metavar="BEFORE",
+                     help="record nothing new: carry each record over to today's code where "
+                     "DIR's seeds equal BEFORE's (a run of the recorded commit) in every metric "
+                     "and verdict")
+
+    cmp_ = sub.add_parser("compare", help="which metrics and verdicts moved between two run "
+                          "folders", description=compare.__doc__.split("\n\n")[0],
+                          epilog="Timings are left out; exit status 1 when anything differs.")
+    compare.add_arguments(cmp_)
 
     bk = sub.add_parser("book", help="a static site of a run's executed notebooks (docs/book.md)",
                         description="Build the book: one chapter per executed notebook of the "
@@ -499,7 +606,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
     handler = {"list": cmd_list, "new": cmd_new, "run": cmd_run, "plan": cmd_plan,
-               "report": cmd_report, "book": cmd_book, "zoo": cmd_zoo}
+               "report": cmd_report, "record": cmd_record, "compare": cmd_compare,
+               "book": cmd_book, "zoo": cmd_zoo}
     try:
         return handler[args.command](args)
     except BrokenPipeError:         # `workbench list | head`: the reader left, which is fine

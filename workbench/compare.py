@@ -1,9 +1,9 @@
 """Compare two run folders: which metrics and verdicts differ, job by job.
 
-``python -m workbench.compare BEFORE AFTER [--tol 0]`` reads every ``metrics.json`` under both
-folders (``<slug>/<params>/seed-N/``), pairs the jobs, and prints each metric whose value differs
-by more than ``--tol`` (relative) and each claim whose verdict differs, then one summary line;
-exit status 1 when anything differs. Timings (``duration_s``, names ending ``_s``, ``seconds``,
+``workbench compare BEFORE AFTER [--tol 0]`` (or ``python -m workbench.compare``) reads every
+``metrics.json`` under both folders (``<slug>/<params>/seed-N/``), pairs the jobs, and prints each
+metric whose value differs by more than ``--tol`` (relative) and each claim whose verdict differs,
+then one summary line; exit status 1 when anything differs. Timings (``duration_s``, names ending ``_s``, ``seconds``,
 ``_time``) are left out: they measure the machine, not the experiment. A metric that only the
 second run records is listed as added, not as a difference (a refactor may record more numbers
 for its prose; it may not move one). A refactor that must not move a number is checked with
@@ -19,7 +19,8 @@ import math
 import sys
 from pathlib import Path
 
-__all__ = ["load_runs", "is_timing", "diff_metrics", "added_metrics", "compare", "main"]
+__all__ = ["load_runs", "is_timing", "diff_metrics", "added_metrics", "compare",
+           "add_arguments", "run", "main"]
 
 TIMING_SUFFIXES = ("_s", "_seconds", "seconds", "_time", "_sec", "_ms")
 TIMING_WORDS = ("seconds", "_ms", "wall", "cost_ratio", "speedup", "time_", "timing", "latency",
@@ -116,14 +117,17 @@ def compare(before: Path, after: Path, tol: float = 0.0, only=None) -> dict:
                          for j in sorted(set(a) ^ set(b)) if keep(j)]}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m workbench.compare", description=__doc__.split(
-        "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The command's arguments, for ``workbench compare`` and ``python -m workbench.compare``."""
     ap.add_argument("before", type=Path, help="run folder (as written by workbench run --out)")
     ap.add_argument("after", type=Path)
     ap.add_argument("--tol", type=float, default=0.0, help="relative tolerance (default 0: exact)")
     ap.add_argument("--only", nargs="*", help="notebook slugs to compare (default: all in both)")
-    args = ap.parse_args(argv)
+
+
+def run(args) -> int:
+    """Print the differences of the parsed ``args`` (:func:`add_arguments`); 1 when any, 2 when
+    a folder is missing, else 0."""
     for d in (args.before, args.after):
         if not d.is_dir():
             print(f"error: {d} is not a run folder", file=sys.stderr)
@@ -134,6 +138,13 @@ def main(argv=None) -> int:
           + (f" (tol {args.tol})" if args.tol else " (exact)")
           + f"; {c['added']} metrics recorded only after (added, not moved)")
     return 1 if c["differences"] else 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m workbench.compare",
+                                 description=__doc__.split("\n\n")[0])
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -6,11 +6,12 @@ It imports nothing from the package, so every other module can depend on it (one
 from __future__ import annotations
 
 import os
+import subprocess
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["project_root", "cache_dir", "strict_mode", "interactive", "batch_mode", "in_ipython",
-           "torch_threads"]
+__all__ = ["project_root", "cache_dir", "git_info", "strict_mode", "interactive", "batch_mode",
+           "in_ipython", "torch_threads"]
 
 
 def project_root() -> Path:
@@ -28,6 +29,23 @@ def cache_dir() -> Path:
     path = Path(os.environ.get("WORKBENCH_CACHE") or project_root() / "data" / "cache")
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def git_info(root: Path | None = None) -> dict:
+    """The commit checked out at ``root`` (default the checkout) and whether it is ``dirty``:
+    whether a tracked file differs from that commit. Untracked files (scratch, run folders) do
+    not count; a result is reproduced from the commit plus its tracked edits. ``None`` for both
+    where git or the repository is missing. What ``env.json`` and the run's ``plan.json`` hold."""
+    def git(*args):
+        out = subprocess.run(["git", *args], cwd=root or project_root(), capture_output=True,
+                             text=True, timeout=10)
+        return out.stdout.strip() if out.returncode == 0 else None
+    try:
+        commit = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+    return {"commit": commit, "dirty": None if commit is None or dirty is None else bool(dirty)}
 
 
 def strict_mode() -> bool:

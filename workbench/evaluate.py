@@ -15,7 +15,7 @@ import torch
 
 from . import quant
 from .data import corpus, tasks
-from .models.recipes import ALL_FAMILIES, difficulties
+from .data.tasks import ALL_FAMILIES, difficulties
 
 __all__ = ["MIDDLE", "LONG_LEVEL", "heldout_examples", "evaluate_tasks", "in_context_examples",
            "in_context_accuracy", "evaluate_in_context", "forced_direct", "direct_section",
@@ -23,7 +23,7 @@ __all__ = ["MIDDLE", "LONG_LEVEL", "heldout_examples", "evaluate_tasks", "in_con
            "generate", "chat_prompt", "task_accuracy", "item_scores", "exact_match"]
 
 
-# the "middle" difficulty of each family (issue 18): 3-digit add/sub, strings of 5, kv with 4
+# the "middle" difficulty of each family: 3-digit add/sub, strings of 5, kv with 4
 # pairs, count over 6 letters, motifs of 3
 MIDDLE = {"add": 3, "addmod": 3, "sub": 3, "mul": 2, "chain": 3, "reverse": 5, "sort": 5,
           "rotate": 5, "swap": 5, "dedupe": 5, "kv": 4, "count": 6, "pattern": 3,

@@ -1,6 +1,8 @@
 """The notebooks on disk: discovery, their title and claims, their parameters, and hygiene.
 
-No torch here: the CLI imports this module and must start fast.
+No torch here: the CLI imports this module and must start fast. A ground-floor module: it
+reads notebook files and imports only ``env``, so the run, the runner and ``workbench plan``,
+all higher up, read the parameters cell through it.
 """
 from __future__ import annotations
 
@@ -180,6 +182,34 @@ def parse_limit(help_text: str) -> Limit | None:
     return None
 
 
+#: The parameters every notebook's cell declares: they configure the run (``workbench.start``),
+#: they are not the method's knobs. Each maps to the ``workbench run`` option that sets it;
+#: ``device`` has none and is set like a knob (``-p device cuda``).
+RESERVED = {"scale": "--scale", "seed": "--seeds", "device": None, "out_dir": "--out"}
+
+
+class ParameterError(ValueError):
+    """A parameter name or value the notebook's parameters cell does not accept (a ``-p`` value
+    before any job starts, or a value a kernel was given)."""
+
+
+def check_limit(slug: str, name: str, value, spec: dict, subject: str | None = None) -> None:
+    """:class:`ParameterError` when ``value`` breaks the limit declared at the end of the
+    parameter's help comment (``spec``: its entry of :func:`parameters`; None passes where the
+    default is None). ``subject``: how the message names the value (default ``parameter 'NAME'
+    = VALUE``). The one check of the runner's ``-p`` values and of the kernel's parameters."""
+    limit = spec.get("limit")
+    if limit is None or (value is None and spec.get("default") == "None"):
+        return
+    if value is None or not limit.allows(value):
+        subject = subject or f"parameter '{name}' = {value!r}"
+        about = spec.get("help", "").rstrip()
+        about = about[: -len(limit.text)].rstrip() if about.endswith(limit.text) else about
+        raise ParameterError(
+            f"{slug}: {subject} is outside its limit {limit.text} ({limit.describe()})"
+            + (f"; {name}: {about}" if about else ""))
+
+
 def parameters_cell(nb: dict) -> str | None:
     """The source of the cell tagged ``parameters`` (None when there is none)."""
     for cell in nb.get("cells", []):
@@ -249,7 +279,7 @@ def clean(path: Path) -> bool:
 
 
 def hygiene_problems(path: Path) -> list[str]:
-    """What breaks the notebook conventions of STYLE.md (empty list when none)."""
+    """What breaks the notebook conventions of docs/design.md (empty list when none)."""
     problems = []
     try:
         nb = read_notebook(path)

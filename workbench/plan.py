@@ -255,7 +255,7 @@ def c09(p, S):
     P = 4 * S["width"] ** 2 + 64 * 100 * S["width"] // 10
     batch = cfg.get("num_envs", 4) * cfg.get("num_steps", 1)
     updates = env / batch * (4 if agent == "ppo" else 1)
-    other = [c for c in (S.get("pqn"), S.get("sac")) if c]      # issue 36: PQN and SAC, 3 torsos
+    other = [c for c in (S.get("pqn"), S.get("sac")) if c]      # PQN and SAC, 3 torsos
     o_env = sum(3 * c["n_inner_seeds"] * c["total_timesteps"] for c in other)
     o_upd = sum(3 * c["n_inner_seeds"] * c["total_timesteps"] * (1.5 if "batch_size" in c else
                 2 * 4 / (c["num_envs"] * c["num_steps"])) for c in other)
@@ -372,7 +372,7 @@ def c19(p, S):
 MODELS = {"01": c01, "02": c02, "03": c03, "04": c04, "05": c05, "06": c06, "07": c07, "08": c08,
           "09": c09, "10": c10, "11": c11, "12": c12, "13": c13, "14": c14, "15": c15, "16": c16,
           "17": c17, "18": c18, "19": c19}
-# which parameters name the zoo models a notebook loads (before issue 34's renaming, and after)
+# which parameters name the zoo models a notebook loads (today's names and the renamed ones)
 ZOO_PARAMS = ("model", "base", "model_name", "student", "teacher_model", "model_teacher",
               "reasoning_model", "instruct_model", "reasoning", "instruct")
 

@@ -1,4 +1,4 @@
-"""One progress helper for the whole workbench (STYLE.md: tqdm.auto, quiet when not interactive)."""
+"""One progress helper for the whole workbench (docs/design.md: tqdm.auto, quiet when not interactive)."""
 from __future__ import annotations
 
 import sys

@@ -1,7 +1,7 @@
 """The report of a batch directory: ``results.csv``, ``aggregate.csv`` and ``index.html``.
 
 It reads what the jobs left behind (``job.json`` from the batch runner, ``metrics.json`` from the
-notebook, see DESIGN.md) and never re-runs anything. Works on any directory holding run
+notebook, see docs/design.md) and never re-runs anything. Works on any directory holding run
 directories, so ``workbench report runs/interactive`` works too; hidden directories (a job's
 staging directory) are skipped.
 
@@ -16,8 +16,9 @@ from __future__ import annotations
 import csv
 import json
 import math
-import statistics
 from pathlib import Path
+
+from .stats import mean_std
 
 AGGREGATE_COLUMNS = ["notebook", "params", "metric", "mean", "std", "n", "seeds"]
 PLAN_NAME = "plan.json"        # written by `workbench run` (batch.write_plan)
@@ -158,7 +159,8 @@ def results_rows(records: list[dict]) -> list[dict]:
 
 def aggregate_rows(records: list[dict]) -> list[dict]:
     """Long format over the seeds of each notebook x scale x parameters (passed jobs only):
-    one row per numeric metric and per claim, with mean, std (ddof 1; 0 for one seed), n, seeds.
+    one row per numeric metric and per claim, with mean, std (:func:`stats.mean_std`: ddof 1,
+    0 for one seed), n, seeds.
     ``params`` includes the scale (``scale=smoke, lr=0.01``) so a smoke and a full run of the
     same grid point stay apart."""
     groups: dict[tuple, list[dict]] = {}
@@ -179,11 +181,7 @@ def aggregate_rows(records: list[dict]) -> list[dict]:
                 series.setdefault(f"claim:{c['id']}", []).append((r["seed"], float(c["holds"])))
         for metric, pairs in series.items():
             vals = [x for _, x in pairs]
-            mean = statistics.fmean(vals)
-            try:
-                std = statistics.stdev(vals) if len(vals) > 1 else 0.0
-            except (ValueError, OverflowError):     # an infinite value: no spread to give
-                std = math.nan
+            mean, std = mean_std(vals)
             rows.append({"notebook": nb, "params": params, "metric": metric, "mean": mean,
                          "std": std, "n": len(vals),
                          "seeds": ",".join(str(s) for s, _ in pairs)})

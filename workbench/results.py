@@ -1,12 +1,13 @@
 """Recorded results: what a notebook's "What we saw" shows, read from runs, never typed.
 
-``workbench run NN --seeds 0,1,2 --out DIR`` then ``workbench report DIR`` (or
-:func:`record`) writes ``notebooks/results/<slug>.json``: every claim's verdict per seed and every
-scalar metric's mean, std and values, over the seeds of the notebook's default smoke run. The file
-carries a key: a hash of the notebook's code cells and the keys of the zoo entries its runs used
-(each run lists them in ``metrics.json``, from ``cache.used``; a record from before runs listed
-them carries every entry's key). When either moves, the file is stale (:func:`stale`), and the
-test suite says which notebook to run again: a recipe change stales only its users.
+``workbench run NN --seeds 0,1,2 --out DIR`` then ``workbench record DIR`` (:func:`record`)
+writes ``notebooks/results/<slug>.json``: every claim's verdict per seed and every scalar metric's
+mean, std (:func:`workbench.stats.mean_std`, as ``aggregate.csv`` has it) and values, over the
+seeds of the notebook's default smoke run. The file carries a key: a hash of the notebook's code
+cells and the keys of the zoo entries its runs used (each run lists them in ``metrics.json``,
+from ``cache.used``; a record from before runs listed them carries every entry's key). When either
+moves, the file is stale (:func:`stale`), and the test suite says which notebook to run again: a
+recipe change stales only its users.
 
 In a notebook, :func:`show` renders the verdict table from the file, and :func:`say` renders
 prose whose numbers come from it::
@@ -20,16 +21,16 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .env import project_root
+from .stats import mean_std
 
 __all__ = ["SEEDS", "RESULTS_TAG", "EXPLORE_TAG", "results_dir", "path", "notebook_key",
-           "zoo_keys", "current_key", "record", "load", "stale", "Recorded", "table", "show", "render", "say", "findings", "main"]
+           "zoo_keys", "current_key", "record", "rekey", "load", "stale", "Recorded", "table", "show", "render", "say", "findings", "main"]
 
 SEEDS = (0, 1, 2)           # the seeds a recorded result covers
 RESULTS_TAG = "results"     # a code cell tagged so shows recorded results: not part of the key
@@ -49,10 +50,12 @@ def notebook_key(nb_path: Path) -> str:
     """A hash of the notebook's code cells (sources only; the cells tagged ``results``, which
     only read this file, and ``explore``, which come after the verdicts and record nothing
     (``tests/test_house.py`` checks both), and all markdown are left out, so editing prose or an
-    explorer keeps the record)."""
+    explorer keeps the record). An executed copy from a run folder has the key of its source:
+    the parameters cell papermill injects is left out too."""
     nb = json.loads(Path(nb_path).read_text())
+    skip = {RESULTS_TAG, EXPLORE_TAG, "injected-parameters"}
     code = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"
-            and not {RESULTS_TAG, EXPLORE_TAG} & set(c.get("metadata", {}).get("tags", []))]
+            and not skip & set(c.get("metadata", {}).get("tags", []))]
     return hashlib.sha256(json.dumps(code).encode()).hexdigest()[:16]
 
 
@@ -120,8 +123,8 @@ def _write(slug: str, runs: list[dict], seeds: list[int]) -> Path:
     for k in names:
         vals = [r["metrics"].get(k) for r in runs]
         ok = [v for v in vals if _scalar(v)]
-        metrics[k] = {"mean": statistics.fmean(ok), "std": statistics.pstdev(ok) if len(ok) > 1
-                      else 0.0, "values": vals}
+        mean, std = mean_std(ok)
+        metrics[k] = {"mean": mean, "std": std, "values": vals}
     # the zoo entries the runs used (runs from before runtime noted them have no "zoo": then
     # every entry's key, as before)
     used = sorted({n for r in runs for n in r["zoo"]}) if all("zoo" in r for r in runs) else None
@@ -198,6 +201,58 @@ def rekey_full_row(slug: str, before: str) -> bool:
     d["key"]["notebook"] = notebook_key(nb_path)
     path(slug).write_text(json.dumps(d, indent=1) + "\n")
     return True
+
+
+def rekey(slug: str, before: Path, after: Path) -> list[str]:
+    """Carry ``slug``'s record over a change of its code that moves no number. ``before`` is a
+    run folder of the code the record was made from (its runs' ``env.json`` names a clean commit
+    at which the record was current), ``after`` one of today's notebook, with the same seeds of
+    the default smoke run. When every metric and every verdict of every paired seed is equal
+    (:func:`workbench.compare.compare` at tolerance 0; timings left out), today's notebook key is
+    written into the record. Returns why not (``[]`` when re-keyed); nothing is written then."""
+    import subprocess
+    from . import compare
+    d = load(slug)
+    if d is None:
+        return [f"no record of {slug} to carry over"]
+    why = [w for w in stale(slug) if "code cells" not in w]
+    if why:
+        return why                                     # a zoo entry moved: record it again
+    nb_path = project_root() / "notebooks" / f"{slug}.ipynb"
+    jobs = {}
+    for name, root in (("before", Path(before)), ("after", Path(after))):
+        seeds = sorted(root.glob(f"{slug}/smoke/seed-*/metrics.json"))
+        if not seeds:
+            return [f"{root} holds no default smoke run of {slug}"]
+        jobs[name] = {p.parent.name: p.parent for p in seeds}
+    paired = sorted(set(jobs["before"]) & set(jobs["after"]))
+    if not paired:
+        return ["the two folders share no seed"]
+    for seed in paired:
+        b, a = jobs["before"][seed], jobs["after"][seed]
+        git = json.loads((b / "env.json").read_text()).get("git") or {}
+        if not git.get("commit") or git.get("dirty") is not False:
+            return [f"{b} ran on uncommitted code: its notebook cannot be named"]
+        old = subprocess.run(["git", "show", f"{git['commit']}:notebooks/{slug}.ipynb"],
+                             cwd=project_root(), capture_output=True, text=True)
+        if old.returncode != 0:
+            return [f"{slug} is not in commit {git['commit'][:10]}"]
+        old_nb = Path(b) / f".{slug}.at-commit.ipynb"
+        try:
+            old_nb.write_text(old.stdout)
+            if notebook_key(old_nb) != d["key"]["notebook"]:
+                return [f"the record was not made from commit {git['commit'][:10]}'s notebook"]
+        finally:
+            old_nb.unlink(missing_ok=True)
+        if notebook_key(a / f"{slug}.ipynb") != notebook_key(nb_path):
+            return [f"{a} did not run today's notebook"]
+    moved = compare.compare(before, after, tol=0.0, only=[slug])
+    moved = [line for line in moved["differences"] if line.split("/")[2].split(":")[0] in paired]
+    if moved:
+        return [f"{len(moved)} number(s) or verdict(s) moved, e.g. {moved[0]}"]
+    d["key"]["notebook"] = notebook_key(nb_path)
+    path(slug).write_text(json.dumps(d, indent=1) + "\n")
+    return []
 
 
 # -- reading a record in a notebook ---------------------------------------------------------------
@@ -277,7 +332,7 @@ def table(slug: str) -> str:
     r = Recorded.of(slug)
     if r is None:
         return f"*No recorded runs of {slug} yet: `workbench run {slug} --seeds 0,1,2` " \
-               f"then `workbench report` on its folder.*"
+               f"then `workbench record` on its folder.*"
     head = "| claim | | robust | " + " | ".join(f"seed {s}" for s in r.seeds) + " | held |"
     lines = [head, "|" + "---|" * (4 + r.n)]
     for cid, v in r.claims.items():
@@ -344,14 +399,11 @@ def findings() -> str:
 
 
 def main(argv=None) -> int:
-    """``python -m workbench.results findings`` | ``record RUN_DIR`` | ``stale``."""
+    """``python -m workbench.results findings`` | ``stale`` | ``rekey-full SLUG GIT_REV``
+    (``workbench record`` writes records)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["findings"]:
         sys.stdout.write(findings())
-        return 0
-    if args[:1] == ["record"] and len(args) == 2:
-        for p in record(Path(args[1])):
-            print(f"recorded {p}")
         return 0
     if args[:1] == ["stale"]:
         bad = 0
@@ -369,8 +421,8 @@ def main(argv=None) -> int:
         print(f"{args[1]}: " + ("re-keyed (only the full row or comments changed)" if done else
                                 "not re-keyed: record it again"))
         return 0 if done else 1
-    print("usage: python -m workbench.results findings | record RUN_DIR | stale | "
-          "rekey-full SLUG GIT_REV", file=sys.stderr)
+    print("usage: python -m workbench.results findings | stale | rekey-full SLUG GIT_REV",
+          file=sys.stderr)
     return 2
 
 

@@ -3,11 +3,16 @@
 A notebook calls ``run = workbench.start("12-nfi", globals())`` once, after its parameters cell,
 and ends with ``run.finish()``. In between it reads its sizes with ``run.sizes(SIZES)``, records
 metrics with ``run.record``, states its claims with ``run.claim`` and saves figures with
-``run.savefig``. ``finish`` writes ``metrics.json`` (the contract with the report, see DESIGN.md),
+``run.savefig``. ``finish`` writes ``metrics.json`` (the contract with the report, see docs/design.md),
 ``params.json`` and ``env.json`` and returns the verdict table (HTML in Jupyter, text elsewhere).
 
 Strict mode (``WORKBENCH_STRICT=1``, set by the test suite) makes ``finish`` raise when a claim
 marked ``robust=True`` does not hold.
+
+The run sits on the top floor, beside the CLI (tests/test_layering.py): it reads down to the
+parameters cell (``notebooks``), the checkpoint checks (``models.checkpoint``) and ``workbench
+plan``'s estimate; seeding, devices and fast math are below it, in ``device``, where models and
+methods reach them. Nothing in the package but its ``__init__`` and the CLI imports this module.
 """
 from __future__ import annotations
 
@@ -15,8 +20,6 @@ import json
 import math
 import os
 import platform
-import random
-import subprocess
 import sys
 import time
 import warnings
@@ -27,11 +30,11 @@ from typing import Any, Iterable
 import numpy as np
 
 from . import cache
-from .env import in_ipython, interactive, project_root, runner_job, strict_mode
-from .notebooks import NotebookError, notebooks_dir, parameters
+from .device import run_device, seed_everything
+from .env import git_info, in_ipython, interactive, project_root, runner_job, strict_mode
+from .notebooks import RESERVED, NotebookError, check_limit, notebooks_dir, parameters
 
 SCALES = ("smoke", "full")
-DEVICES = ("auto", "cpu", "cuda", "mps")
 
 
 def interactive_dir(slug: str) -> Path:
@@ -45,69 +48,6 @@ def interactive_dir(slug: str) -> Path:
 
 class ClaimFailed(AssertionError):
     """A robust claim did not hold while strict mode was on."""
-
-
-def seed_everything(seed: int) -> dict:
-    """Seed Python, numpy and torch (CPU and CUDA); return the determinism settings used."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    os.environ["PYTHONHASHSEED"] = str(seed)
-    info = {"seed": seed}
-    try:
-        import torch
-    except ImportError:
-        return info
-    torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed_all(seed)
-        # cuBLAS needs this workspace setting for deterministic matmuls (set before first use)
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    # deterministic kernels where PyTorch has them; warn_only: an op without one still runs
-    # (e.g. scatter_add on CUDA) and says so, rather than stopping a notebook
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-    info.update(cudnn_deterministic=bool(torch.backends.cudnn.deterministic),
-                cudnn_benchmark=bool(torch.backends.cudnn.benchmark),
-                deterministic_algorithms=bool(torch.are_deterministic_algorithms_enabled()))
-    return info
-
-
-def placement_requested() -> bool:
-    """Whether the device audit is on (``WORKBENCH_DEVICE_AUDIT=1``, see placement.py)."""
-    return os.environ.get("WORKBENCH_DEVICE_AUDIT", "") not in ("", "0")
-
-
-def pick_device(device: str = "auto"):
-    """``auto`` -> CUDA when present, else CPU. An explicit device must exist."""
-    import torch
-    if device not in DEVICES and not device.startswith("cuda:"):
-        raise ValueError(f"device must be one of {DEVICES} (or 'cuda:N'), got {device!r}")
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(f"device={device!r} was asked for but CUDA is not available here; "
-                           "use device='auto' or 'cpu'")
-    if device == "mps" and not torch.backends.mps.is_available():
-        raise RuntimeError("device='mps' was asked for but MPS is not available; use 'auto' or 'cpu'")
-    return torch.device(device)
-
-
-def fast_math(device, enabled: bool = True):
-    """bf16 autocast and TF32 matmuls on CUDA for a training or evaluation block; nothing
-    elsewhere (a CPU run is bit for bit what it was): ``with fast_math(run.device): ...``.
-
-    Used by the LM training loops (zoo builds, LoRA fine-tunes, FURA, NBDiff). Not where a
-    claim is about precision itself: Hestia's (10) and NFI's (12) numerics are measured in the
-    dtypes they name, and 14's quantizers compare reconstruction errors in float32; those run
-    without it (their SIZES cells say so)."""
-    import contextlib
-    import torch
-    dev = torch.device(device) if not isinstance(device, torch.device) else device
-    if not enabled or dev.type != "cuda":
-        return contextlib.nullcontext()
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-    return torch.autocast("cuda", dtype=torch.bfloat16)
 
 
 def _jsonable(value: Any) -> Any:
@@ -132,16 +72,6 @@ def _jsonable(value: Any) -> Any:
     return repr(value)
 
 
-def _git_info(root: Path) -> dict:
-    def git(*args):
-        out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() if out.returncode == 0 else None
-    try:
-        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
-    except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "dirty": None}
-
-
 def environment_info(device=None) -> dict:
     """Git commit and dirty flag, package versions, device: what ``env.json`` holds."""
     from importlib import metadata
@@ -153,7 +83,7 @@ def environment_info(device=None) -> dict:
         except metadata.PackageNotFoundError:
             pass
     info = {"python": sys.version.split()[0], "platform": platform.platform(),
-            "packages": versions, "git": _git_info(project_root()),
+            "packages": versions, "git": git_info(),
             "cpu_count": os.cpu_count()}
     if device is not None:
         info["device"] = str(device)
@@ -184,11 +114,7 @@ class Run:
         self.slug, self.scale, self.seed = slug, scale, int(seed)
         self.t0 = time.time()
         self.determinism = seed_everything(self.seed)
-        self.device = pick_device(device)
-        if self.device.type == "cpu" and placement_requested():
-            from . import placement            # the device audit (placement.py): cpu:0 stands
-            placement.start()                  # for a device reached only through run.device
-            self.device = placement.SENTINEL
+        self.device = run_device(device)       # under the device audit, its sentinel cpu:0
         self.out_dir = Path(out_dir) if out_dir else interactive_dir(slug)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "figures").mkdir(exist_ok=True)
@@ -328,8 +254,8 @@ class Run:
         (self.out_dir / "params.json").write_text(json.dumps(summary["params"], indent=2))
         env = environment_info(self.device)
         env["determinism"] = self.determinism
-        if placement_requested():
-            from . import placement
+        from . import placement                # torch is loaded: the run picked its device
+        if placement.requested():
             (self.out_dir / "device_audit.json").write_text(json.dumps(placement.report(), indent=2))
         (self.out_dir / "env.json").write_text(json.dumps(env, indent=2))
         self.finished = True
@@ -414,9 +340,6 @@ def _short(value, n: int = 60) -> str:
     return text if len(text) <= n else text[: n - 3] + "..."
 
 
-RESERVED = ("scale", "seed", "device", "out_dir")
-
-
 def notebook_parameters(namespace: dict, slug: str) -> dict:
     """The parameters cell's values, read from a notebook's ``globals()``.
 
@@ -456,12 +379,8 @@ def check_limits(params: dict, slug: str) -> None:
     except (FileNotFoundError, NotebookError):
         return
     for name, value in params.items():
-        limit = (spec.get(name) or {}).get("limit")
-        if limit is None or (value is None and spec[name].get("default") == "None"):
-            continue
-        if value is None or not limit.allows(value):
-            raise ValueError(f"{slug}: parameter {name!r} = {value!r} is outside its limit "
-                             f"{limit.text} ({limit.describe()}); fix the parameters cell or -p")
+        if name in spec:
+            check_limit(slug, name, value, spec[name])
     from .models import checkpoint         # a checkpoint the notebook cannot use: refused now
     for w in checkpoint.validate_params(slug, params, device=params.get("device")):
         warnings.warn(w, stacklevel=3)

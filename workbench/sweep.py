@@ -1,12 +1,12 @@
 """Sweeps: every method on the same grid of one knob (a learning rate), each judged at its best.
 
-A comparison decided at one hand-picked learning rate credits whoever the rate suits (issue 33:
-15 judged Adam at 1e-3 for 25 steps, where it cannot collapse; 04's rsLoRA and PiSSA are
-unstable at 3e-3). :func:`sweep` runs ``run(method, value) -> metrics`` for every method and
-value, picks each method's value on a *selection* metric (a validation split, never the test
-set), and returns a :class:`Sweep`: the whole table, the best row per method, and a plot of the
-grid. A run whose selection metric is NaN or infinite (diverged) is never selected; ties go to
-the first value in grid order. With ``cache_dir`` every run is kept as JSON through
+A comparison decided at one hand-picked learning rate credits whoever the rate suits (in
+15, Adam at 1e-3 for 25 steps cannot collapse; in 04, rsLoRA and PiSSA are unstable at 3e-3).
+:func:`sweep` runs ``run(method, value) -> metrics`` for every method and value, picks each
+method's value on a *selection* metric (a validation split, never the test set), and returns
+a :class:`Sweep`: the whole table, the best row per method, and a plot of the grid. A run whose
+selection metric is NaN or infinite (diverged) is never selected; ties go to the first value in
+grid order. With ``cache_dir`` every run is kept as JSON through
 :func:`workbench.cache.build`, so a re-run or a wider grid trains only what is new.
 """
 from __future__ import annotations

@@ -3,22 +3,20 @@
 Each family is a :class:`Family` with ``generate(n, seed, difficulty) -> list[Example]`` and
 ``score(example, completion) -> float`` (1.0 when the final answer matches exactly, else 0.0), so a
 verifier doubles as an RL reward. Tasks are the "domains" of LoRA pools, the "task stream" of
-continual learning, the reward of RLVR and the traces of data curation (ZOO.md).
+continual learning, the reward of RLVR and the traces of data curation (docs/design.md).
 
 Rendering. A prompt ends with its operator (``=``, ``->``, ``?``); the completion is either the
 bare answer (``"68"``) or, with chain-of-thought, the steps joined by ``" ; "`` followed by
 ``" => "`` and the answer (``"8+5=13 c1 ; 2+4+1=7 => 73"``). The verifier reads the first line of a
 completion and takes what follows the last ``=>`` (or the whole line when there is none).
 
-Distinct surfaces (zoo v4, issue 31): every family has its own prompt surface, so skills
-trained side by side never contradict each other. String and recall families start with an
+Distinct surfaces: every family has its own prompt surface, so skills trained side by side
+never contradict each other. String and recall families start with an
 operator word (``"sort s t r i n g ->"``, ``"rotate ..."``, ``"kv a=3 b=5 ; a?"``, ``"next a b c a
 ->"``), which also gives every symbol a leading space, so the first key of ``kv`` (or the first
 letter of a string) is the same token as when it is asked for. ``addmod`` reads ``"23(+)49="``.
-(Before v4, ``reverse``/``sort``/``rotate``/``swap``/``dedupe``, ``add``/``addmod`` and
-``pattern``/``pattern_skip`` shared one surface each.) ``addmod`` and ``pattern_skip`` still draw
-the same numbers and motifs as ``add`` and ``pattern`` for the same seed (``Family.stream``), so
-the two rules can be compared on the same inputs. ``longadd`` is ``add``'s rule and steps on
+``addmod`` and ``pattern_skip`` draw the same numbers and motifs as ``add`` and ``pattern`` for
+the same seed (``Family.stream``), so the two rules can be compared on the same inputs. ``longadd`` is ``add``'s rule and steps on
 6 to 14 digits (the long-trace family; its prompts never look like ``add``'s 1 to 4 digits).
 
 In-context families (``rule`` set): a rule drawn per *context* (a random letter substitution, a
@@ -30,13 +28,14 @@ families, ``shots + 1`` independent examples), :func:`render_context` writes the
 
 Optional formats (``OPTIONAL``, off by default): families that :func:`get` finds but that
 :func:`names`, ``FAMILIES`` and ``ICL_FAMILIES`` do not list, so no card, pool or notebook sees
-them unless a recipe names them. ``kv_dense`` (issue 31, docs/zoo-v4-a.md sessions 18-19) is
-``kv`` with the value token right after its key and several questions on one set of pairs: an
+them unless a recipe names them (lm-base names ``kv_dense_sp``). ``kv_dense`` is ``kv`` with the value token right after its key and several questions on one set of pairs: an
 example reads ``"kv m7 b9 u2 ; u"`` -> ``"2"`` (no space before the answer, ``Example.lead``,
 so the value is the token after the key in the pairs and in the answer alike); a context is
 that example and then questions on the same pairs (the rule), one a line: ``"kv m7 b9 u2 ; u2"``,
 ``"; m7"``, ``"; u2"``, each answer labelled when trained as a document. ``kv_dense_sp`` writes
 the later questions ``" ; m"`` as the first one is (the same ``;`` token after the line break).
+Why this form: a keyed look-up is learned at the zoo's size only with many questions per context
+and the value token right after its key (docs/zoo-lessons.md).
 
 Characters in string tasks (inputs and answers) are space-separated so that a byte-level BPE
 sees one token per symbol. Nothing here imports torch.
@@ -403,14 +402,18 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
            "arith+long", _make_longadd, (6, 8, 10, 12, 14), True),
 ]}
 ICL_FAMILIES = tuple(f for f, fam in FAMILIES.items() if fam.rule is not None)
+# the families every zoo card evaluates (and the tokenizer samples); longadd, the long-trace
+# family, is evaluated by the recipes that name it in ``extra_eval``
+ALL_FAMILIES = ("add", "addmod", "sub", "mul", "chain", "reverse", "sort", "rotate", "swap",
+                "dedupe", "kv", "count", "pattern", "pattern_skip")
 # formats off by default: get() finds them, names()/FAMILIES/ICL_FAMILIES (and so every card,
 # pool and notebook) do not list them; a recipe that names one trains on it
 OPTIONAL: dict[str, Family] = {f.name: f for f in [
     Family("kv_dense", "kv with the value token right after its key (kv m7 b9 u2 ; u -> 2) and "
            "several questions on one set of pairs per context (the rule)", "kv_dense",
            _make_kv_dense, KV_DENSE_DIFFICULTIES, rule=_kv_pairs, make_context=_kv_dense_context),
-    # session 19: kv_dense's first question reads " ; u" (Ġ;), its later ones "; u" (;): here
-    # every question is " ; u", so the standalone item is the form trained most
+    # kv_dense's first question reads " ; u" (Ġ;), its later ones "; u" (;), and the look-up forms
+    # on the form trained most; here every question is " ; u", so the standalone item is that form
     Family("kv_dense_sp", "kv_dense with every question written ' ; k' (the later ones too)",
            "kv_dense_sp", partial(_make_kv_dense, name="kv_dense_sp", ask=" ; "),
            KV_DENSE_DIFFICULTIES, rule=_kv_pairs,
@@ -430,6 +433,12 @@ def get(name: str) -> Family:
     return FAMILIES[name]
 
 
+def difficulties(family: str, easiest: int | None) -> tuple[int, ...]:
+    """The difficulties of ``family`` a recipe trains on: its ``easiest`` ones (all when None)."""
+    d = get(family).difficulties
+    return d if easiest is None else d[:easiest]
+
+
 def generate(name: str, n: int, seed: int = 0, difficulty: int | None = None) -> list[Example]:
     """``n`` seeded examples of family ``name`` (see :meth:`Family.generate`)."""
     return get(name).generate(n, seed, difficulty)
@@ -441,8 +450,8 @@ def score(example: Example, completion: str) -> float:
 
 
 def same_surface(name: str) -> list[str]:
-    """The other families whose prompts look exactly like ``name``'s (none since zoo v4: every
-    family has its own surface)."""
+    """The other families whose prompts look exactly like ``name``'s (none: every family has
+    its own surface)."""
     s = get(name).surface
     return [f for f, fam in FAMILIES.items() if fam.surface == s and f != name]
 

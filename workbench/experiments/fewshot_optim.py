@@ -1,5 +1,5 @@
 """Few-shot CLIP adaptation, the optimizer's preconditioning (paper 15,
-``papers/15-fewshot-clip-optimizers.md``): the harness of notebook 15.
+``docs/papers/15-fewshot-clip-optimizers.md``): the harness of notebook 15.
 
 The method (the few-shot classifier and what trains, the second-moment estimator, the first-step
 update norm, the budget-matched learning rate) lives in :mod:`workbench.methods.fewshot_optim`.
@@ -129,7 +129,7 @@ def score(clf, losses, init, val, test) -> dict:
             "diverged": diverged, "dist_from_init": fo.distance_from_init(clf, init)}
 
 
-def sweep_shots(model, tok, names, support: dict, val, test, grad_full, c2: pd.DataFrame,
+def sweep_shots(model, tok, names, support: dict, val, test, *, grad_full, c2: pd.DataFrame,
                 sizes: dict, seed: int, keep: dict | None = None) -> dict[int, Sweep]:
     """Per shot count, :func:`workbench.sweep.sweep` of every method in :data:`METHODS` over
     ``sizes["lrs"]``, selected on validation accuracy, each run cached under a key of everything

@@ -143,7 +143,7 @@ class TaskData:
         return out
 
 
-def task_data(tok, family: str, n_train: int, n_eval: int, n_retain: int, retain_families,
+def task_data(tok, family: str, *, n_train: int, n_eval: int, n_retain: int, retain_families,
               seed: int, with_steps: bool, n_val: int = 0, n_test: int = 0) -> TaskData:
     """``n_train`` examples of ``family`` spread over its difficulties (seed ``100 + seed``),
     encoded; ``n_eval`` held-out target prompts at the middle difficulty that are not training
@@ -242,7 +242,7 @@ def _settings(S: dict, lr: float, seed: int, pad_id: int, names: dict) -> dict:
     return {**out, "by_head": S["by_head"]} if "by_head" in S else out
 
 
-def finetune_all(base: str, zoo_scale: str, data: TaskData, S: dict, seed: int, evaluator,
+def finetune_all(base: str, zoo_scale: str, data: TaskData, S: dict, *, seed: int, evaluator,
                  pad_id: int, device: str, progress=lambda it, **kw: it, lrs: dict | None = None):
     """Every method of :data:`METHODS` on ``data`` (the same rows, loop and seed; the learning
     rate ``lrs[method]``, or without ``lrs`` that of its :data:`LR` group in ``S``), through
@@ -257,7 +257,7 @@ def finetune_all(base: str, zoo_scale: str, data: TaskData, S: dict, seed: int, 
     return tuned, info
 
 
-def lr_sweep(base: str, zoo_scale: str, data: TaskData, S: dict, seed: int, evaluator,
+def lr_sweep(base: str, zoo_scale: str, data: TaskData, S: dict, *, seed: int, evaluator,
              pad_id: int, device: str, grid, methods=METHODS) -> sweep.Sweep:
     """Every method on the same learning-rate ``grid`` (:func:`workbench.sweep.sweep`), each
     fine-tune through :func:`cached_finetune` and its final checkpoint's metrics kept in the

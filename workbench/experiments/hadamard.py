@@ -22,12 +22,12 @@ from IPython.display import display
 
 from workbench import diagnostics as dx
 from workbench import plots
+from workbench.device import seed_everything
 from workbench.env import interactive
 from workbench.methods import hadamard as hr
 from workbench.rl import env_family, make_vec_env
 from workbench.rl.dqn import DQNSettings, train_dqn
 from workbench.rl.ppo import PPOSettings, train_ppo
-from workbench.runtime import seed_everything
 
 __all__ = ["AGENTS", "LABEL", "PPO_LOGS", "Setup", "make_setup", "torso_sizes", "train_one",
            "train_torsos", "checkpoints", "smoothed_return", "series", "returns", "summarize",
@@ -59,8 +59,8 @@ class Setup:
     device: object = "cpu"
 
 
-def make_setup(S: dict, agent: str, activation: str, seed: int, tau: float, activity_tau: float,
-               device) -> Setup:
+def make_setup(S: dict, agent: str, activation: str, seed: int, *, tau: float,
+               activity_tau: float, device) -> Setup:
     """The :class:`Setup` the sizes ``S`` imply: the agent's settings (with the learning-rate
     knob applied), the observation family and the inner seeds ``seed * 100 + i``."""
     if agent not in AGENTS:
@@ -385,7 +385,7 @@ def gain_figure(table: pd.DataFrame, hr_result: dict, gain: float, seed: int):
     return fig
 
 
-# ---- the other agents of issue 36: PQN on MinAtar and a SimbaV2-style SAC ----
+# ---- the other agents: PQN on MinAtar and a SimbaV2-style SAC ----
 
 OTHER_AGENTS = {"pqn": "PQN", "sac": "SAC (SimbaV2-style)"}
 

@@ -1,5 +1,5 @@
 """The harness of notebook 11 (HAPS: hierarchical routing over LLM architectures and parameters,
-``papers/11-haps.md``).
+``docs/papers/11-haps.md``).
 
 The method (query features, the generated per-example LoRA, the two-level router, the objectives
 and the training loop) is :mod:`workbench.methods.haps`. Here is what the notebook drives around it:
@@ -149,7 +149,7 @@ def _load_trained(path, make, build, device):
     return model.to(device).eval(), json.loads((path / "done.json").read_text())
 
 
-def cached_haps(names, zoo_scale: str, models: dict, toks: dict, train, test,
+def cached_haps(names, zoo_scale: str, models: dict, toks: dict, train, test, *,
                 labels: torch.Tensor, s: H.Settings, feat_dim: int, device="cpu"):
     """A trained :class:`~workbench.methods.haps.HAPS` and its record (training log, seconds,
     each candidate's greedy exact match on ``test`` with its generated LoRA), trained once and
@@ -199,7 +199,7 @@ def router_states(encoder: str, zoo_scale: str, splits: dict, device="cpu") -> d
     return out
 
 
-def cached_ref_haps(names, zoo_scale: str, models: dict, toks: dict, train, test,
+def cached_ref_haps(names, zoo_scale: str, models: dict, toks: dict, train, test, *,
                     labels: torch.Tensor, s: H.RefSettings, encoder: str, h_tr: torch.Tensor,
                     h_te: torch.Tensor, device="cpu"):
     """A trained :class:`~workbench.methods.haps.RefHAPS` (the reference's structure on the
@@ -239,7 +239,7 @@ def cached_ref_haps(names, zoo_scale: str, models: dict, toks: dict, train, test
 
 # -- C1: the generated factors are a LoRA of the chosen architecture ------------------------------
 
-def generated_lora_check(haps, models: dict, toks: dict, probe: list, x_probe: torch.Tensor,
+def generated_lora_check(haps, models: dict, toks: dict, probe: list, x_probe: torch.Tensor, *,
                          rank: int, scale: float, device, per_candidate: int = 3) -> pd.DataFrame:
     """Per candidate and the first ``per_candidate`` probe queries: whether the generated A, B
     have the adapted projections' shapes, the largest |hooked - peft| logit with the same A, B,
@@ -286,7 +286,7 @@ class StaticRouter(nn.Module):
         return self.net(x)
 
 
-def train_static_router(x, labels, n: int, d_h: int, steps: int, lr: float, seed: int):
+def train_static_router(x, labels, n: int, *, d_h: int, steps: int, lr: float, seed: int):
     """Architecture-only router: cross-entropy on the static routing labels, full batch, where
     ``x`` lives."""
     torch.manual_seed(seed)
@@ -302,7 +302,7 @@ def train_static_router(x, labels, n: int, d_h: int, steps: int, lr: float, seed
 
 
 def routing_scores(static_test: np.ndarray, static_train: np.ndarray, adapted: dict,
-                   arch_choice: np.ndarray, choice: dict, names: list[str],
+                   arch_choice: np.ndarray, choice: dict, names: list[str], *,
                    static_routers: dict | None = None) -> dict:
     """Per-query test scores of every routing: random (expected), the single best candidate (by
     training exact match), architecture-only routing, any other router over the static
@@ -339,7 +339,7 @@ def best_of(fn, reps: int = 3) -> float:
     return min(ts)
 
 
-def latency(haps, models: dict, toks: dict, queries: list, featurize, scale: float,
+def latency(haps, models: dict, toks: dict, queries: list, featurize, *, scale: float,
             device) -> pd.DataFrame:
     """Per candidate, best of three: ``featurize`` (prompts -> router input: the router LM's
     pooled states, or n-gram features), routing and generating the LoRA factors; the

@@ -1,5 +1,5 @@
 """The harness of notebook 03 (paper 03, "HDCA: hyperbolic displacement-constrained adaptation
-for CLIP class-incremental learning", ``papers/03-hdca.md``).
+for CLIP class-incremental learning", ``docs/papers/03-hdca.md``).
 
 What the notebook drives around the method (:mod:`workbench.methods.hdca`):
 
@@ -87,7 +87,7 @@ def encoder_inputs(model, x, n_blocks: int) -> torch.Tensor:
     return hm[:, :1].contiguous() if n_blocks == 1 else hm  # one block: its class-token row only
 
 
-def family_bed(model, tok, family: str, seed: int, noise: float, digits_sessions: int,
+def family_bed(model, tok, family: str, seed: int, *, noise: float, digits_sessions: int,
                shapes_classes: int, shapes_sessions: int, n_train: int, n_test: int,
                enc_blocks: int = 1) -> dict:
     """One family's bed: frozen CLIP features of noisy train and test images (``f_tr``, ``y_tr``,

@@ -28,9 +28,9 @@ from workbench import costs, evaluate
 from workbench.diagnostics import paired_bootstrap
 from workbench import quant as Q
 from workbench.data import corpus, packing, tasks
+from workbench.data.tasks import difficulties
 from workbench.methods import hestia as M
 from workbench.models import zoo
-from workbench.models.recipes import difficulties
 from workbench.plots import subplots
 
 __all__ = ["LIMITS", "KEY", "COLOR", "limits", "qat_config", "train_stream", "block_nll",
@@ -144,7 +144,7 @@ class Bed:
                 "correct": correct}
 
 
-def load_bed(model_name: str, scale: str, S: dict, cfg: M.QATConfig, seed: int, device,
+def load_bed(model_name: str, scale: str, S: dict, cfg: M.QATConfig, *, seed: int, device,
              task_family: str) -> Bed:
     """Load the zoo backbone (built on first use), the QAT stream of ``cfg.steps * cfg.batch``
     blocks (or the scale's ``train_blocks``) and the held-out sets (a seeded subset), in blocks of
@@ -308,7 +308,7 @@ def step_costs(model, x: torch.Tensor, rounds: int, temp: float) -> tuple[pd.Dat
     return t, counts
 
 
-def export_gguf(model, bed: Bed, path, name: str, metadata: dict, ppl_memory: float,
+def export_gguf(model, bed: Bed, path, *, name: str, metadata: dict, ppl_memory: float,
                 n_ternary: int, device) -> dict:
     """Write ``model``'s ternary tensors as TQ2_0 (Q4_0 where a row is shorter than 256) and read
     the file back: are the stored weights exactly ``fp16(gamma) * q``, which type each tensor

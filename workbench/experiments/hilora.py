@@ -14,8 +14,8 @@ The method (ROCs, the Gaussians, selection, allocation, the routed hooks) is
   through the same hooks (C3);
 - :func:`unseen_domains`, :func:`lorahub_shots`, :func:`lorahub_scores`: the LoraHub baseline
   (:mod:`workbench.methods.lorahub`), its weights searched per unseen domain on a few labelled
-  examples (issue 36); :func:`unseen_weights`, :func:`domain_accuracy`, :func:`unseen_items`,
-  :func:`c3_intervals`: C3 as paired-bootstrap intervals over the same unseen prompts (issue 33);
+  examples; :func:`unseen_weights`, :func:`domain_accuracy`, :func:`unseen_items`,
+  :func:`c3_intervals`: C3 as paired-bootstrap intervals over the same unseen prompts;
 - :func:`throughput`, :func:`flops_per_token`, :func:`active_rocs`: tokens/s of routed
   generation against one ``peft`` LoRA in alternating repeats, and floating-point operations
   per generated token (C4), and which ROCs a prompt switches on;
@@ -144,7 +144,7 @@ def features(bed: Bed, fit: dict, evals: dict) -> tuple[dict, list, np.ndarray, 
     return fit_x, eval_ex, eval_fam, hl.prompt_features(bed.lm, bed.tok, [e.prompt for e in eval_ex])
 
 
-def selection_curve(fit_x: dict, eval_x, eval_fam: np.ndarray, pool_families: list, sizes,
+def selection_curve(fit_x: dict, eval_x, eval_fam: np.ndarray, pool_families: list, sizes, *,
                     temperature: float, threshold: float, k_max: int) -> pd.DataFrame:
     """C2: for the Gaussians fitted on the first n fitting inputs (n in ``sizes``), the share of
     in-domain prompts whose most likely LoRA is their own, the share whose own LoRA is among the
@@ -184,7 +184,7 @@ def single_best(card: dict, pool_families: list) -> str:
 
 
 def method_gates(bed: Bed, post: np.ndarray, mask: np.ndarray, kroc: np.ndarray,
-                 eval_fam: np.ndarray, router_choice: np.ndarray, single: str,
+                 eval_fam: np.ndarray, *, router_choice: np.ndarray, single: str,
                  top_k: int) -> dict:
     """Per-prompt gates ``(w, k)`` over all LoRAs of every routing that uses whole gates:
     base, oracle, uniform, single best, top-k, trained router and HiLoRA (Arrow routes per
@@ -252,7 +252,7 @@ def unseen_table(per_family: pd.DataFrame, pool_families: list, heldout: list,
     return unseen
 
 
-# -- LoraHub (issue 36): weights searched per unseen domain on a few labelled examples ----------
+# -- LoraHub: weights searched per unseen domain on a few labelled examples ----------
 
 def lorahub_shots(domains: dict, n_shots: int, exclude: set, seed: int) -> dict:
     """Per domain, ``n_shots`` labelled examples at its families' middle difficulty (a mixture's
@@ -265,7 +265,7 @@ def lorahub_shots(domains: dict, n_shots: int, exclude: set, seed: int) -> dict:
     return out
 
 
-def lorahub_scores(bed: Bed, domains: dict, shots: dict, eval_ex: list, eval_fam: np.ndarray,
+def lorahub_scores(bed: Bed, domains: dict, shots: dict, eval_ex: list, eval_fam: np.ndarray, *,
                    seed: int, max_new_tokens: int) -> tuple[np.ndarray, pd.DataFrame, dict]:
     """LoraHub per unseen domain: weights over the pool LoRAs searched on the domain's ``shots``
     (:func:`~workbench.methods.lorahub.search`), then greedy generation of the domain's
@@ -323,7 +323,7 @@ def c3_intervals(items: dict, rivals: list, method: str = "HiLoRA") -> pd.DataFr
 
 
 def budget_sweep(bed: Bed, examples: list, rows: np.ndarray, post: np.ndarray, mask: np.ndarray,
-                 budgets, max_new_tokens: int) -> pd.DataFrame:
+                 *, budgets, max_new_tokens: int) -> pd.DataFrame:
     """HiLoRA's accuracy on the prompts ``rows`` for each ROC budget K per token and module."""
     out = []
     w = pad_pool(mask.astype(float), bed.n_all)[rows]
@@ -430,7 +430,7 @@ def summary(c2: pd.DataFrame, unseen: pd.DataFrame, per_family: pd.DataFrame,
 # -- the explorer: accuracy against the selection threshold ---------------------------------------
 
 def selection_variants(bed: Bed, examples: list, post: np.ndarray, mask: np.ndarray,
-                       scores: np.ndarray, budget: int, k_max: int,
+                       scores: np.ndarray, *, budget: int, k_max: int,
                        max_new_tokens: int) -> pd.DataFrame:
     """Each prompt's score with its ``n`` most likely LoRAs selected, for ``n = 1..k_max``
     (columns ``1..k_max``), the budget split as :func:`~workbench.methods.hilora.allocate` does.
@@ -471,7 +471,7 @@ def at_threshold(variants: pd.DataFrame, post: np.ndarray, families, threshold: 
     return pd.Series(got).groupby(np.asarray(families)).mean(), n
 
 
-def threshold_curve(variants: pd.DataFrame, post: np.ndarray, families, thresholds,
+def threshold_curve(variants: pd.DataFrame, post: np.ndarray, families, thresholds, *,
                     k_max: int, pool_families: list, heldout: list) -> pd.DataFrame:
     """Per threshold: HiLoRA's mean over the unseen domains (:func:`unseen_table`), over the
     pool families and over the held-out ones, and the share of prompts given more than one

@@ -1,5 +1,5 @@
 """The harness of notebook 06: Hint Tuning, calibrating reasoning depth with an instruct model as
-a difficulty probe (NeurIPS 2026; spec in ``papers/06-hint-tuning.md``; the method is
+a difficulty probe (NeurIPS 2026; spec in ``docs/papers/06-hint-tuning.md``; the method is
 :mod:`workbench.methods.hint_tuning`).
 
 What the notebook drives, in its order:
@@ -321,8 +321,8 @@ def shortest_traces(problems, samples: list[list[str]], tok) -> tuple[list[str],
     return prompts, targets
 
 
-def distill_baseline(name: str, scale: str, model, tok, problems, k: int, settings: LoraSettings,
-                     max_new_tokens: int, recipe=None, device: str = "cpu"):
+def distill_baseline(name: str, scale: str, model, tok, problems, *, k: int,
+                     settings: LoraSettings, max_new_tokens: int, recipe=None, device: str = "cpu"):
     """R fine-tuned (a cached ``peft`` LoRA, the same settings as Hint Tuning's) on the shortest
     correct of ``k`` samples of each training problem (:func:`shortest_traces`); the samples
     are drawn once and cached. Returns ``(PeftModel, info)``, info with the share of problems
@@ -377,8 +377,9 @@ def small_reasoning_recipe():
     """A narrower, shallower sibling of ``lm-reasoning`` (d_model 64, 2 blocks), for C4. Not a
     zoo recipe: it is defined here and built through ``zoo.load(..., recipe=...)``, keyed by its
     own hash. lm-reasoning is a fine-tune of lm-base, whose architecture it must keep; this one
-    is trained from scratch (the v3 loop and sizes) on lm-reasoning's mix of steps, bare answers
-    at the easiest level and forced-direct answers, without the long family (its 256-token rows)."""
+    is trained from scratch (loop v3, lm-base's smoke sizes at d_model 64) on lm-reasoning's mix
+    of steps, bare answers at the easiest level and forced-direct answers, without the long
+    family (its 256-token rows)."""
     base = zoo.recipe("lm-reasoning")
     keep = [i for i, f in enumerate(base.train_tasks) if f != "longadd"]
     pick = lambda xs: tuple(xs[i] for i in keep) if xs is not None else None   # noqa: E731

@@ -1,5 +1,5 @@
 """The harness of notebook 08: Heavy-Tailed Flow Matching via Random Clocks (HTFM, NeurIPS 2026;
-spec in ``papers/08-htfm.md``; the method is :mod:`workbench.methods.htfm`).
+spec in ``docs/papers/08-htfm.md``; the method is :mod:`workbench.methods.htfm`).
 
 What the notebook drives, in its order:
 
@@ -14,7 +14,7 @@ What the notebook drives, in its order:
 - C5 (full scale only): imbalanced digits and heavy-tailed fields (:func:`run_c5`);
 - the explorer: the HTFM network sampled from a clock of any tail (:func:`clock_figure`).
 
-Metrics (REFERENCES.md): the sliced Wasserstein distance, rare-mode coverage, high quantiles of
+Metrics (docs/papers/08-htfm.md): the sliced Wasserstein distance, rare-mode coverage, high quantiles of
 the radius, and the Hill tail-index estimator.
 """
 from __future__ import annotations
@@ -121,7 +121,7 @@ def quantile_error(x, reference, qs=(0.99, 0.999)) -> float:
 
 def hill(x, k: int | None = None, frac: float = 0.01) -> float:
     """Hill's tail-index estimate alpha = 1 / xi, xi = mean_{i <= k} log(X_(i) / X_(k+1)) over the
-    k largest values of |x| (of ||x|| for 2-D input); k = frac * n by default (REFERENCES.md)."""
+    k largest values of |x| (of ||x|| for 2-D input); k = frac * n by default (docs/papers/08-htfm.md)."""
     x = np.asarray(x, dtype=np.float64)
     r = np.abs(x) if x.ndim == 1 else np.linalg.norm(x, axis=1)
     k = int(k or max(2, round(frac * len(r))))
@@ -263,7 +263,7 @@ def train_models(data: torch.Tensor, tail: float, S: dict, generator: torch.Gene
     return models, losses
 
 
-def evaluate_models(models: dict, methods: dict, ref, true_masses, n_eval: int,
+def evaluate_models(models: dict, methods: dict, ref, true_masses, *, n_eval: int,
                     generator: torch.Generator, device, seed: int) -> tuple[list[dict], dict]:
     """Sample every model from its training clock at every step count of :data:`NFE` and score
     it against the reference ``ref``: rare-mode coverage, sliced W1 (10k points, 32 directions),
@@ -299,7 +299,7 @@ def c3_means(table) -> tuple:
     return mean, wins
 
 
-def transport(models: dict, methods: dict, ref, n: int, nfe: int, generator: torch.Generator,
+def transport(models: dict, methods: dict, ref, *, n: int, nfe: int, generator: torch.Generator,
               device) -> tuple:
     """Where the largest sources go: per model, ``n`` sources of its training clock integrated in
     ``nfe`` Euler steps; the Spearman correlation of source radius with sample radius, the share of

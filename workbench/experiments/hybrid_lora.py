@@ -1,4 +1,4 @@
-"""The harness of notebook 04 (Hybrid-LoRA for RLVR, ``papers/04-hybrid-lora.md``).
+"""The harness of notebook 04 (Hybrid-LoRA for RLVR, ``docs/papers/04-hybrid-lora.md``).
 
 The method (eq. 1-3: group advantages, the GRPO loss, the probe gradient, the Hybrid-LoRA Score,
 the module selection and the policies) is :mod:`workbench.methods.hybrid_lora`. Here is what the
@@ -102,7 +102,7 @@ def base_rewards(model, tok, held: list, group: int, max_new_tokens: int, seed: 
 
 # -- the score (3) and C3's checks ---------------------------------------------------------------
 
-def score_modules(model, tok, probe_a: list, probe_b: list, group: int, max_new_tokens: int,
+def score_modules(model, tok, probe_a: list, probe_b: list, *, group: int, max_new_tokens: int,
                   rank: int, budget: float, seed: int) -> dict:
     """The probe gradients and the score (3) of every candidate on probe batch A (and B, seeded
     ``seed + 1000``), the selection within ``budget``, the random control of the same size, the
@@ -264,7 +264,7 @@ def matched_rank(model, names: list[str], chosen: list[str], rank: int) -> tuple
     return hybrid, max(rank, round(hybrid / per_rank))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Runs:
     """Everything one GRPO run of a method depends on: the policy's start (zoo ``base`` at
     ``zoo_scale`` on ``device``), the problems (``train``, the validation split ``val``, the
@@ -376,7 +376,7 @@ def cost_table(short: dict) -> pd.DataFrame:
     return cost
 
 
-def summary(final: pd.DataFrame, c1: dict, c2: dict, c4: pd.DataFrame, cost: pd.DataFrame,
+def summary(final: pd.DataFrame, c1: dict, c2: dict, c4: pd.DataFrame, cost: pd.DataFrame, *,
             lora_rank: int, ey_error: float, scores: dict) -> dict:
     """The scalars "What we saw" quotes: Full FT's test gain over the base with its interval
     (``c1``), LoRA's gap to Full FT with its interval (``c2``), Hybrid-LoRA's differences to

@@ -1,4 +1,4 @@
-"""InduceKV (paper 01, ``papers/01-inducekv.md``): the harness of notebook 01-inducekv.
+"""InduceKV (paper 01, ``docs/papers/01-inducekv.md``): the harness of notebook 01-inducekv.
 
 The method (memory entries, the cache they are written into, the bilevel selection, the stream
 under a byte budget) lives in :mod:`workbench.methods.inducekv`; the baselines' building blocks
@@ -44,7 +44,7 @@ from workbench.methods import inducekv_baselines as KB
 from workbench.methods import inducekv_mm as MM
 from workbench.models import adapters, clip, finetune, zoo
 
-__all__ = ["parse_stream", "scenarios", "frozen_backbone", "task_data", "data_summary",
+__all__ = ["Settings", "parse_stream", "scenarios", "frozen_backbone", "task_data", "data_summary",
            "equivalence_table", "two_entries_diff", "generate_matches", "run_inducekv",
            "cache_path", "cached_states", "sequential_lora", "moe_experts", "lora_pool",
            "lora_matrix", "lora_baselines", "l2p_baseline", "results_table", "c3_summary",
@@ -340,12 +340,23 @@ def generate_matches(lm, tok, data: dict, names: list[str], with_steps: bool,
 
 
 # -- InduceKV on the stream ----------------------------------------------------------------------
-def run_inducekv(lm, tok, scens: dict, data: dict, budget: int, sizes: dict, seed: int,
-                 with_steps: bool):
+@dataclass(frozen=True)
+class Settings:
+    """What every run on one stream shares: the deployed-byte ``budget``, the notebook's sizes
+    (``sizes``, its ``S``), the ``seed``, and whether answers are written with their steps
+    (``with_steps``, :func:`workbench.models.zoo.with_steps`)."""
+    budget: int
+    sizes: dict
+    seed: int
+    with_steps: bool
+
+
+def run_inducekv(lm, tok, scens: dict, data: dict, cfg: Settings):
     """Per scenario: every task's candidates prepared (:func:`K.prepare`), then the stream under
     ``budget`` with bilevel selection, also evaluated with raw cosine retrieval. Returns
     ``(prepared, query_keys, outputs)``, each keyed by scenario (the query keys are filled by the
     run and reused by every later run on the same tests)."""
+    budget, sizes, seed, with_steps = cfg.budget, cfg.sizes, cfg.seed, cfg.with_steps
     prep, qk, ikv = {}, {}, {}
     for scen, items in scens.items():
         prep[scen] = [K.prepare(lm, tok, n, data[n]["pool"], data[n]["probes"], with_steps)
@@ -481,15 +492,15 @@ def lora_matrix(pm, states: list[dict], stream_names: list[str], tests: dict, to
     return {"acc": A, "trace": bud.trace, "last_items": np.concatenate(last)}
 
 
-def lora_baselines(pool, model: str, scale: str, items, data: dict, prepared: list, qk: dict,
-                   tok, budget: int, sizes: dict, seed: int, with_steps: bool, mm=None,
-                   device="cpu") -> dict:
+def lora_baselines(pool, model: str, scale: str, items, data: dict, cfg: Settings, *,
+                   prepared: list, qk: dict, tok, mm=None, device="cpu") -> dict:
     """Sequential LoRA, replay and MoE of LoRAs on one scenario, on ``device``: ``{method: {acc,
     trace, passes}}``. The pool's adapters seed stage 1 and the experts when every task is its own pool
     family, and a pool adapter's training counts as the compute of the stage it stands for. The
     MoE keeps the experts that fit beside their centroids (the oldest goes first) and routes each
     query to the nearest centroid of the frozen retrieval keys; the gated MoE mixes the same
     experts with a trained gate (:func:`gated_moe`)."""
+    budget, sizes, seed, with_steps = cfg.budget, cfg.sizes, cfg.seed, cfg.with_steps
     names_s = [n for n, _, _ in items]
     fams = [f for _, f, _ in items]
     pairs = {n: data[n]["pairs"] for n in names_s}
@@ -526,20 +537,20 @@ def lora_baselines(pool, model: str, scale: str, items, data: dict, prepared: li
                                       with_steps, moe_route)
     out["MoE of LoRAs"]["passes"] = moe_passes + (pool_passes * len(fams) if seeded else 0)
     out["MoE of LoRAs"]["experts_kept"] = len(live(len(names_s) - 1))
-    out["gated MoE of LoRAs"] = gated_moe(model, scale, names_s, data, experts, qk, tok, budget,
-                                          per_expert, sizes, seed, with_steps, mm, device)
+    out["gated MoE of LoRAs"] = gated_moe(model, scale, names_s, data, experts, cfg, qk=qk,
+                                          tok=tok, per_expert=per_expert, mm=mm, device=device)
     out["gated MoE of LoRAs"]["passes"] += out["MoE of LoRAs"]["passes"]
     return out
 
 
 def gated_moe(model: str, scale: str, names_s: list[str], data: dict, experts: list[dict],
-              qk: dict, tok, budget: int, per_expert: int, sizes: dict, seed: int,
-              with_steps: bool, mm=None, device="cpu") -> dict:
+              cfg: Settings, *, qk: dict, tok, per_expert: int, mm=None, device="cpu") -> dict:
     """The MoE's experts mixed by a trained linear gate on the frozen retrieval key
     (:class:`KB.Gate`, :class:`KB.LoraMixture`): at task t the experts that fit beside the gate
     are live (the oldest goes first) and the gate is trained on task t's training data alone;
     ``acc[t, j]`` under the gate after task t. Also ``gate_weights[t][j]`` (mean weights on task
     j's tests) and ``gate_losses``."""
+    budget, sizes, seed, with_steps = cfg.budget, cfg.sizes, cfg.seed, cfg.with_steps
     lm, _ = frozen_backbone(model, scale, device)
     if mm is not None:
         mm.setup(lm)
@@ -571,10 +582,11 @@ def gated_moe(model: str, scale: str, names_s: list[str], data: dict, experts: l
             "passes": 3 * sizes["gate_steps"] * sizes["gate_batch"] * T}
 
 
-def l2p_baseline(lm, tok, names_s: list[str], data: dict, qk: dict, budget: int, sizes: dict,
-                 seed: int, with_steps: bool, mm=None) -> dict:
+def l2p_baseline(lm, tok, names_s: list[str], data: dict, qk: dict, cfg: Settings,
+                 mm=None) -> dict:
     """The L2P prompt pool on one scenario: trained task by task on the frozen query feature
     (states cached per stage), then ``acc[t, j]`` with its bytes checked at every stage."""
+    budget, sizes, seed, with_steps = cfg.budget, cfg.sizes, cfg.seed, cfg.with_steps
     torch.manual_seed(seed)
     emb_scale = float(lm.get_input_embeddings().weight.std())
     pp = KB.PromptPool(sizes["l2p_prompts"], sizes["l2p_length"], lm.config.hidden_size,
@@ -642,10 +654,11 @@ def c3_summary(table: pd.DataFrame, scens) -> dict[str, dict]:
 
 
 # -- selection and calibration (C4) --------------------------------------------------------------
-def selection_runs(lm, tok, prepared: list, tests: dict, budget: int, bilevel: dict, sizes: dict,
-                   seed: int, with_steps: bool, qk: dict) -> dict[str, dict]:
+def selection_runs(lm, tok, prepared: list, tests: dict, bilevel: dict, cfg: Settings, *,
+                   qk: dict) -> dict[str, dict]:
     """The same candidates and budget under the three selection rules: bilevel (the run already
     made), likelihood only, random."""
+    budget, sizes, seed, with_steps = cfg.budget, cfg.sizes, cfg.seed, cfg.with_steps
     runs = {"bilevel": bilevel}
     for mode in ("likelihood", "random"):
         runs[mode] = K.run_stream(lm, tok, prepared, tests, budget, mode, sizes["top_k"],
@@ -672,10 +685,11 @@ def calibration_summary(out: dict) -> dict[str, float]:
 
 
 # -- diagnostics (C5) and the footprint (C2) -----------------------------------------------------
-def compute_matched_lora(pool, model: str, names: list[str], data: dict, passes: int, tok,
-                         budget: int, sizes: dict, seed: int, with_steps: bool, device="cpu"):
+def compute_matched_lora(pool, model: str, names: list[str], data: dict, passes: int,
+                         cfg: Settings, *, tok, device="cpu"):
     """A fresh sequential LoRA given InduceKV's ``passes`` (a step of a batch costs three
     example-forwards): ``(steps per task, its accuracy matrix and trace, its passes)``."""
+    budget, sizes, seed, with_steps = cfg.budget, cfg.sizes, cfg.seed, cfg.with_steps
     steps = max(1, round(passes / len(names) / (3 * sizes["lora_batch"])))
     pm, _, st, info = sequential_lora(pool, model, names, {n: data[n]["pairs"] for n in names},
                                       steps, sizes["lora_batch"], sizes["lora_lr"], seed,
@@ -685,11 +699,12 @@ def compute_matched_lora(pool, model: str, names: list[str], data: dict, passes:
     return steps, cm, info["passes"]
 
 
-def diagnostics(lm, tok, prepared: list, tests: dict, budget: int, ikv: dict, cm: dict,
-                cm_steps: int, sizes: dict, seed: int, with_steps: bool, qk: dict):
+def diagnostics(lm, tok, prepared: list, tests: dict, cfg: Settings, *, ikv: dict, cm: dict,
+                cm_steps: int, qk: dict):
     """InduceKV against the compute-matched LoRA, with bounded candidate pools, at fractions of
     the budget and with more entries retrieved. Returns the table and the accuracy-vs-budget
     curve ``[(budget, average accuracy, trace)]`` (the full budget first)."""
+    budget, sizes, seed, with_steps = cfg.budget, cfg.sizes, cfg.seed, cfg.with_steps
     rows = [{"variant": "InduceKV", "knob": "full", "average_accuracy":
              K.average_accuracy(ikv["acc"]), "peak_bytes": ikv["peak_bytes"]},
             {"variant": "LoRA, compute-matched (fresh)", "knob": f"{cm_steps} steps/task",

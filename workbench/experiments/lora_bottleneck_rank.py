@@ -1,5 +1,5 @@
 """The harness of notebook 05: why low rank suffices, the bottleneck rank of frozen-backbone
-adaptation (NeurIPS 2026; spec in ``papers/05-lora-bottleneck-rank.md``; the method is
+adaptation (NeurIPS 2026; spec in ``docs/papers/05-lora-bottleneck-rank.md``; the method is
 :mod:`workbench.methods.lora_bottleneck_rank`).
 
 What the notebook drives, in its order:
@@ -291,7 +291,7 @@ def stationary_ranks(problem, k: int, inits: int, seed: int, convex_objective: f
     return pd.DataFrame(rows)
 
 
-def perturbation_gaps(x, r, p, lam: float, eps_grid, d0: torch.Tensor, f0: float,
+def perturbation_gaps(x, r, p, *, lam: float, eps_grid, d0: torch.Tensor, f0: float,
                       steps: int) -> pd.DataFrame:
     """For each eps: the perturbed minimizer's gap on the original problem F_0, the bound
     eps/2 tr(D_0 P D_0^T), its rank and KKT residual."""
@@ -400,7 +400,7 @@ def _fit_logging_ranks(pm, batch: dict, x: torch.Tensor, steps: int) -> pd.DataF
 
 # -- what "What we saw" quotes -----------------------------------------------------------------
 
-def prose_metrics(c1: pd.DataFrame, checks: list[dict], invis: dict, real: dict, shift: float,
+def prose_metrics(*, c1: pd.DataFrame, checks: list[dict], invis: dict, real: dict, shift: float,
                   const_key: dict, c2: pd.DataFrame, inside: list[str], c4: pd.DataFrame,
                   rho_groups: dict, c5l: pd.DataFrame, traces: dict) -> dict:
     """Scalars "What we saw" quotes, from the tables the claims are judged on: C1's

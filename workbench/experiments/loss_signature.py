@@ -1,5 +1,5 @@
 """The harness of notebook 18 (paper 18, "Predicting reasoning-data quality from low-rank loss
-signatures", ``papers/18-loss-signature-curation.md``).
+signatures", ``docs/papers/18-loss-signature-curation.md``).
 
 What the notebook drives around the method (:mod:`workbench.methods.loss_signature`):
 
@@ -122,7 +122,7 @@ def pool_frame(traces: list[Trace]) -> pd.DataFrame:
 
 # -- adaptation and signatures ------------------------------------------------------------------
 
-def adapt(student_lm, tok, traces: list[Trace], rng: np.random.Generator, rank: int, steps: int,
+def adapt(student_lm, tok, traces: list[Trace], rng: np.random.Generator, *, rank: int, steps: int,
           seed: int, batch: int = 16):
     """The brief adaptation: a ``peft`` LoRA trained for ``steps`` on a random quarter of the
     traces (at least 32, drawn by ``rng``), merged into the weights. ``peft`` wraps
@@ -135,7 +135,7 @@ def adapt(student_lm, tok, traces: list[Trace], rng: np.random.Generator, rank: 
     return adapted.merge_and_unload().eval()
 
 
-def pool_signatures(model, tok, traces: list[Trace], fractions, n_dirs: int, dir_rank: int,
+def pool_signatures(model, tok, traces: list[Trace], fractions, *, n_dirs: int, dir_rank: int,
                     scales, seed: int, device, batch: int = 128) -> tuple[dict, dict]:
     """The loss signatures of every trace, ``{fraction: (n_traces, n_dirs, n_scales)}`` in pool
     order, each fraction of the labelled tokens read from the same forward passes; and the
@@ -213,7 +213,7 @@ def generate_then_filter(teacher, judge, tok, examples, n_candidates: int, seed:
 
 # -- downstream students ------------------------------------------------------------------------
 
-def student_accuracy(student: str, scale: str, traces: list[Trace], idx, tok, test,
+def student_accuracy(student: str, scale: str, traces: list[Trace], idx, tok, test, *,
                      sft: finetune.LoraSettings, tag: str, device) -> tuple[float, bool]:
     """A student (the zoo model ``student`` with a cached ``peft`` LoRA SFT on the traces
     ``idx``) scored by exact match, with steps, on the held-out problems ``test``; and whether
@@ -224,10 +224,11 @@ def student_accuracy(student: str, scale: str, traces: list[Trace], idx, tok, te
     return evaluate.exact_match(model, tok, test, with_steps=True), info["cached"]
 
 
-def subset_students(student: str, scale: str, traces: list[Trace], subsets: dict, tok, test,
+def subset_students(student: str, scale: str, traces: list[Trace], subsets: dict, tok, test, *,
                     sft: finetune.LoraSettings, tag: str, device) -> dict:
     """:func:`student_accuracy` of one student per named subset of the traces, in order."""
-    return {name: student_accuracy(student, scale, traces, idx, tok, test, sft, tag, device)[0]
+    return {name: student_accuracy(student, scale, traces, idx, tok, test, sft=sft, tag=tag,
+                                   device=device)[0]
             for name, idx in subsets.items()}
 
 

@@ -1,5 +1,5 @@
 """The harness of notebook 02 (paper 02, "LQZO: low-rank quantized zeroth-order fine-tuning",
-``papers/02-lqzo.md``).
+``docs/papers/02-lqzo.md``).
 
 What the notebook drives around the method (:mod:`workbench.methods.lqzo`):
 
@@ -195,7 +195,7 @@ def linearized_quality(grad, p: Perturbation, n: int, seed: int) -> dict:
     return {"cos": cos.tolist(), "sq_err": err.tolist()}
 
 
-def forward_quality(loss_fn, params, laws: dict, grad, n_probe: int, eps: float,
+def forward_quality(loss_fn, params, laws: dict, grad, *, n_probe: int, eps: float,
                     seed: int) -> dict:
     """:func:`estimator_quality` of ``n_probe`` two-point estimates per law, on the same batch
     and scales; law ``k`` (in order) uses the probe seeds ``10000 (k + 1) + 97 seed + j``."""
@@ -257,8 +257,8 @@ def draw_times(params, rank: int, bag_k: int) -> dict:
 
 # -- end to end ---------------------------------------------------------------------------------
 
-def zo_finetune(model, name: str, p: Perturbation, bits: int, group_size: int, data: dict, tok,
-                steps: int, batch: int, eval_every: int, lr: float, eps: float, fp_lr: float,
+def zo_finetune(model, name: str, p: Perturbation, *, bits: int, group_size: int, data: dict,
+                tok, steps: int, batch: int, eval_every: int, lr: float, eps: float, fp_lr: float,
                 fp_eps: float, seed: int, progress=None) -> dict:
     """ZO fine-tuning for ``steps``: ``fp MeZO`` moves every weight of a copy of the fp
     ``model`` (``fp_lr``, ``fp_eps``, no safeguards); any other ``name`` moves only the scales of
@@ -306,7 +306,7 @@ def _train_vit(x, y, steps: int, seed: int, device) -> vit.TinyViT:
     return net.eval()
 
 
-def vit_experiment(bits: int, group_size: int, laws: dict, train_steps: int, zo_steps: int,
+def vit_experiment(bits: int, group_size: int, laws: dict, *, train_steps: int, zo_steps: int,
                    lr: float, eps: float, seed: int, device, items: dict | None = None) -> dict:
     """The small ViT on scikit-learn's digits (70% train): trained in fp with backprop, its block
     linears quantized by RTN at ``bits``, then the scales alone fine-tuned with each of ``laws``

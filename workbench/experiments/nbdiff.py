@@ -129,7 +129,7 @@ def adapted(base: str, zoo_scale: str, path: str, x0, start, S: dict, seed: int,
     return m, np.load(where / "losses.npy"), cached
 
 
-def adapt_all(base: str, zoo_scale: str, x0, start, S: dict, seed: int, train, device: str,
+def adapt_all(base: str, zoo_scale: str, x0, start, S: dict, *, seed: int, train, device: str,
               lrs: dict):
     """Every path of :data:`~workbench.methods.nbdiff.PATHS`, in order, through :func:`adapted`,
     each at its learning rate ``lrs[path]``. Returns ``(models, losses, cached)``, each by path."""
@@ -140,7 +140,7 @@ def adapt_all(base: str, zoo_scale: str, x0, start, S: dict, seed: int, train, d
     return models, losses, cached
 
 
-def lr_sweep(base: str, zoo_scale: str, x0, start, S: dict, seed: int, train, val, tok,
+def lr_sweep(base: str, zoo_scale: str, x0, start, S: dict, *, seed: int, train, val, tok,
              mask_id: int, device: str, grid) -> sweep.Sweep:
     """Every path on the same learning-rate ``grid`` (:func:`workbench.sweep.sweep`): each
     fine-tune through :func:`adapted` (cached), scored on the validation problems ``val``
@@ -166,7 +166,7 @@ def lr_sweep(base: str, zoo_scale: str, x0, start, S: dict, seed: int, train, va
 
 # -- C2: one pass against two --------------------------------------------------------------------
 
-def one_vs_two_pass(models: dict, x0, start, ctx: int, size: int, mask_id: int,
+def one_vs_two_pass(models: dict, x0, start, *, ctx: int, size: int, mask_id: int,
                     seed: int) -> pd.DataFrame:
     """The diffusion loss of the one-pass ``[x_t ; x_0]`` formulation and of the two-pass
     reference on the same noise (one generator seeded ``seed``), for the context-causal clean copy
@@ -213,7 +213,7 @@ def accuracy(model, tok, prompts, examples, gen_len: int, size: int, per_pass: i
     return float(items.mean()), passes
 
 
-def path_scores(models: dict, tok, prompts, examples, held, S: dict, mask_id: int,
+def path_scores(models: dict, tok, prompts, examples, held, S: dict, *, mask_id: int,
                 seed: int) -> dict:
     """C3's scores per path, on the same items for every path: ``items``, the exact match of each
     test problem (final block size, one token a pass), and ``rows``, the diffusion bound per
@@ -242,7 +242,7 @@ def c3_intervals(scores: dict, method: str = "nbdiff", seed: int = 0) -> pd.Data
     return diagnostics.paired_table(pairs, seed=seed)
 
 
-def parallel_grid(model, tok, prompts, examples, gen_len: int, mask_id: int,
+def parallel_grid(model, tok, prompts, examples, *, gen_len: int, mask_id: int,
                   sizes=(1, 2, 4, 8)) -> pd.DataFrame:
     """Context-causal decoding at each block size with one token per pass and with the whole
     block in one pass: accuracy, tokens per forward pass and tokens per second (wall)."""
@@ -268,7 +268,7 @@ def ar_baseline(model, tok, examples, gen_len: int) -> tuple[float, float]:
     return acc, len(examples) * gen_len / dt
 
 
-def threshold_grid(model, tok, prompts, examples, gen_len: int, mask_id: int, sizes=(1, 2, 4, 8),
+def threshold_grid(model, tok, prompts, examples, *, gen_len: int, mask_id: int, sizes=(1, 2, 4, 8),
                    threshold: float = 0.9) -> pd.DataFrame:
     """The reference decoder (:func:`~workbench.methods.nbdiff.decode_threshold`, KV cache) at
     each block size: accuracy (first line of each completion), tokens per forward pass (the
@@ -306,7 +306,7 @@ def _decoders(ar, model, tok, prompts, gen_len: int, size: int, mask_id: int,
                                                      threshold, True, tok.pad_token_id)}
 
 
-def speed_compare(ar, model, tok, prompts, gen_len: int, size: int, mask_id: int,
+def speed_compare(ar, model, tok, prompts, *, gen_len: int, size: int, mask_id: int,
                   threshold: float = 0.9, repeats: int = 7) -> pd.DataFrame:
     """Tokens per second, like for like: the two decoders of :func:`_decoders` on the same
     prompts in one batch, the same ``gen_len`` tokens each, timed in ``repeats`` interleaved
@@ -320,7 +320,7 @@ def speed_compare(ar, model, tok, prompts, gen_len: int, size: int, mask_id: int
                          "ratio": rate["diffusion"] / rate["AR generate"]})
 
 
-def speed_counts(ar, model, tok, prompts, gen_len: int, size: int, mask_id: int,
+def speed_counts(ar, model, tok, prompts, *, gen_len: int, size: int, mask_id: int,
                  threshold: float = 0.9) -> pd.DataFrame:
     """The counts no load can move, per generated token, for one run of each decoder of
     :func:`_decoders`: floating-point operations (:func:`workbench.costs.flops`: matrix products
@@ -346,7 +346,7 @@ class _Passes(torch.nn.Module):
         return self.model(input_ids=input_ids, **kw)
 
 
-def decode_sample(model, tok, example, gen_len: int, size: int, per_pass: int,
+def decode_sample(model, tok, example, *, gen_len: int, size: int, per_pass: int,
                   mask_id: int) -> dict:
     """One problem decoded context-causally at block ``size``, ``per_pass`` tokens a pass: the
     prompt's and the output's tokens, the pass (1, 2, ...) that wrote each output token, the

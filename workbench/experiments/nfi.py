@@ -1,4 +1,4 @@
-"""Numerical Feature Inflation (paper 12, ``papers/12-nfi.md``): the harness of notebook 12-nfi.
+"""Numerical Feature Inflation (paper 12, ``docs/papers/12-nfi.md``): the harness of notebook 12-nfi.
 
 The method (the absorption threshold, the absorbed and collapsed masks, the two global means, the
 zero-sum-preserving cross-entropy) lives in :mod:`workbench.methods.nfi`. Here is what the

@@ -81,7 +81,7 @@ def ablation_decoding(finals: dict, trans: np.ndarray, length: int, seed: int):
     return summary, refit
 
 
-def pattern_classifier(task, S: dict, lr: float, weight_decay: float, input_seed: int,
+def pattern_classifier(task, S: dict, *, lr: float, weight_decay: float, input_seed: int,
                        generator: torch.Generator, device) -> ra.PatternRNN:
     """A classifier RNN trained exactly as the notebook's main one (fresh train-token sequences
     every step, ``S["steps"]`` steps of ``S["batch"]``) at ``weight_decay``: C3's no-decay run.
@@ -93,7 +93,7 @@ def pattern_classifier(task, S: dict, lr: float, weight_decay: float, input_seed
     return m.cpu()
 
 
-def shuffled_label_rnn(task, S: dict, lr: float, weight_decay: float, input_seed: int,
+def shuffled_label_rnn(task, S: dict, *, lr: float, weight_decay: float, input_seed: int,
                        generator: torch.Generator, device) -> ra.PatternRNN:
     """The control: a classifier RNN with the same budget and input pathway, trained on a fixed
     set of ``S["shuffled_seqs"]`` sequences whose pattern labels are permuted once (generic
@@ -114,7 +114,7 @@ def rank_profile(w: torch.Tensor) -> dict:
             "n_outliers": ra.n_outliers(w), "top1_energy": float(s[0] ** 2 / (s ** 2).sum())}
 
 
-def transfer_runs(task, parts: dict, S: dict, lr: float, weight_decay: float, input_seed: int,
+def transfer_runs(task, parts: dict, S: dict, *, lr: float, weight_decay: float, input_seed: int,
                   eval_batch: dict, seed: int, device):
     """Fresh next-token RNNs, ``S["inner_seeds"]`` per initialisation of ``W_hh`` in ``parts``
     (None: random init; else random init plus that scaffold). Inner seed i starts every

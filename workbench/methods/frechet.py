@@ -1,7 +1,7 @@
 """Model merging as Frechet averaging; LoRA merging on the quotient manifold.
 
 Paper 13 (NeurIPS 2026, "Generalizing the geometry of model merging through Frechet averages";
-spec in ``papers/13-frechet-merging.md``). A merge is the Frechet mean
+spec in ``docs/papers/13-frechet-merging.md``). A merge is the Frechet mean
 
     theta* = argmin_theta  sum_i w_i d(theta, theta_i)^2                               (1)
 
@@ -10,7 +10,7 @@ symmetry group, the manifold is the quotient by it, so that (1) is invariant by 
 
 LoRA. ``Delta W = B A`` is unchanged by ``(B, A) -> (B G, G^-1 A)`` for every invertible r x r G,
 so an adapter is a point of the quotient (R*^{m x r} x R*^{r x n}) / GL(r), the manifold of rank-r
-matrices (REFERENCES.md, "Fixed-rank quotient geometry"). Averaging the factors B and A separately
+matrices (docs/papers/13-frechet-merging.md, "Our geometry"). Averaging the factors B and A separately
 (peft's ``linear``) is a function of the representatives, not of the points: it moves with G.
 
 The geometry used here (our choice; the paper leaves metric and distance approximation open):

@@ -1,4 +1,4 @@
-"""GSQ: Gumbel-Softmax scalar quantization (paper 14, ``papers/14-gsq.md``), as the official code
+"""GSQ: Gumbel-Softmax scalar quantization (paper 14, ``docs/papers/14-gsq.md``), as the official code
 IST-DASLab/GSQ defines it.
 
 Post-training scalar quantization that *learns* which grid level each weight takes. A weight is

@@ -1,5 +1,5 @@
 """HAPS: hierarchical routing over LLM architectures and parameters (paper 11,
-``papers/11-haps.md``).
+``docs/papers/11-haps.md``).
 
 Routers usually pick one of K candidate LMs and use it as a black box. HAPS routes on two levels:
 

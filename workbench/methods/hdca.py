@@ -1,6 +1,6 @@
 """HDCA: hyperbolic displacement-constrained adaptation for CLIP class-incremental learning.
 
-Paper 03 (NeurIPS 2026; spec in ``papers/03-hdca.md``). Forgetting is read as uncontrolled
+Paper 03 (NeurIPS 2026; spec in ``docs/papers/03-hdca.md``). Forgetting is read as uncontrolled
 *displacement* of image features by sequential adapter updates, and is constrained without any
 data-derived class memory (no exemplars, prototypes or class statistics; only the class names'
 text embeddings, which every CLIP classifier has).
@@ -9,7 +9,7 @@ Radial compression (the map every stage uses). For an update u in R^d and curvat
 
     kappa_c(u) = tanh(sqrt(c) ||u||) / (sqrt(c) ||u||) * u                                (1)
 
-the Poincare ball's exponential map at the origin (REFERENCES.md, geoopt ``expmap0``): the
+the Poincare ball's exponential map at the origin (docs/papers/03-hdca.md, geoopt ``expmap0``): the
 direction of u is kept, its magnitude r becomes rho_c(r) = tanh(sqrt(c) r) / sqrt(c), which is
 ~r for small r (rho_c(r) / r -> 1 as r -> 0), concave, increasing and bounded by 1 / sqrt(c).
 

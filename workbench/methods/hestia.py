@@ -1,4 +1,4 @@
-"""Hestia: operator-faithful differentiable QAT for ternary LLMs (paper 10, ``papers/10-hestia.md``).
+"""Hestia: operator-faithful differentiable QAT for ternary LLMs (paper 10, ``docs/papers/10-hestia.md``).
 
 Quantization-aware training (QAT) of ternary weights. Every quantized tensor keeps a latent
 full-precision weight ``W``; its forward value lives on the BitNet b1.58 codebook after absmean

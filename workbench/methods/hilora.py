@@ -1,6 +1,6 @@
 """HiLoRA: training-free hierarchical routing over a pool of LoRAs.
 
-Paper 07 (NeurIPS 2026; Han et al., arXiv 2510.12266; spec in ``papers/07-hilora.md``).
+Paper 07 (NeurIPS 2026; Han et al., arXiv 2510.12266; spec in ``docs/papers/07-hilora.md``).
 
 1. *Rank-one components (ROCs).* A LoRA update is a sum of r rank-one terms,
    Delta W x = s sum_i b_i (a_i^T x), with b_i the i-th column of B and a_i^T the i-th row of A.

@@ -1,5 +1,5 @@
 """Hint Tuning: calibrating reasoning depth with an instruct model as a difficulty probe (paper 06,
-``papers/06-hint-tuning.md``).
+``docs/papers/06-hint-tuning.md``).
 
 A reasoning model R writes its steps before answering; the matching instruct model I answers
 directly. The paper turns "how hard is this problem?" into a consistency check between them:

@@ -1,6 +1,6 @@
 """Heavy-Tailed Flow Matching via Random Clocks (HTFM).
 
-Paper 08 (NeurIPS 2026; spec in ``papers/08-htfm.md``). The source of a flow is a Gaussian run on
+Paper 08 (NeurIPS 2026; spec in ``docs/papers/08-htfm.md``). The source of a flow is a Gaussian run on
 a random clock: a nondecreasing path tau(s), s in [0, 1], tau(0) = 0, and
 
     x0 | tau ~ N(0, tau(1) I)                                   (clock-conditioned source)
@@ -13,7 +13,7 @@ so marginalizing the clock gives a Gaussian scale mixture:
 - positive (alpha / 2)-stable subordinator, E exp(-lam tau(1)) = exp(-lam^(alpha/2)):
   x0_j ~ symmetric alpha-stable with scale 2^(-1/2)                         (sub-Gaussian stable)
 
-Flow matching then runs on the standard conditional path (REFERENCES.md, "Flow matching";
+Flow matching then runs on the standard conditional path (docs/papers/08-htfm.md;
 torchcfm's ``ConditionalFlowMatcher``):
 
     x_t = (1 - t) x0 + t x1,   u_t = x1 - x0                    (conditional path and target)

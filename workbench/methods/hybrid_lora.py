@@ -1,6 +1,6 @@
 """Hybrid-LoRA: full fine-tuning where a low-rank update falls short, LoRA elsewhere, for RLVR.
 
-Paper 04 (NeurIPS 2026, ``papers/04-hybrid-lora.md``). RL with verifiable rewards (RLVR) trains
+Paper 04 (NeurIPS 2026, ``docs/papers/04-hybrid-lora.md``). RL with verifiable rewards (RLVR) trains
 the policy with GRPO: for each problem q, G completions o_1..o_G are sampled and scored by the
 task's verifier, r_i in {0, 1}, and every token of o_i gets the group-normalized advantage
 

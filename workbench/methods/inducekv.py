@@ -1,5 +1,5 @@
 """InduceKV: fixed-footprint continual adaptation with attention-ready memory (paper 01,
-``papers/01-inducekv.md``).
+``docs/papers/01-inducekv.md``).
 
 The backbone stays frozen; what a task teaches is kept outside it, in a memory of **entries**.
 An entry is one selected training prefix ``x = <bos> prompt completion <eos>`` stored as
@@ -34,8 +34,8 @@ old tasks) weighted by the probability that the candidate would be retrieved for
 the facility-location gain ``sum_x max_{s in S} sim(x, s)`` over the current task's pool in the
 calibrated retrieval space.
 
-Continual-learning metrics follow PyCIL (``G-U-N/PyCIL`` ``trainer.py`` / ``utils/toolkit.py``;
-``REFERENCES.md``): average incremental accuracy is the mean of the per-stage accuracy (over the
+Continual-learning metrics follow PyCIL (``G-U-N/PyCIL`` ``trainer.py`` / ``utils/toolkit.py``):
+average incremental accuracy is the mean of the per-stage accuracy (over the
 tasks seen so far); forgetting is the mean over old tasks of (best accuracy ever - final accuracy).
 """
 from __future__ import annotations

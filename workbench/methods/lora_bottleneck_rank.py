@@ -1,5 +1,5 @@
 """Why low rank suffices: the bottleneck rank of frozen-backbone adaptation (paper 05,
-``papers/05-lora-bottleneck-rank.md``).
+``docs/papers/05-lora-bottleneck-rank.md``).
 
 With the backbone frozen, an adapted linear layer ``y = (W + D) x`` is seen by the loss only
 through ``D X^T`` for the frozen input features ``X`` (n x d_in, one row per token):

@@ -1,5 +1,5 @@
 """Predicting reasoning-data quality from low-rank loss signatures (paper 18,
-``papers/18-loss-signature-curation.md``).
+``docs/papers/18-loss-signature-curation.md``).
 
 The paper's view: a pretrained LM, briefly adapted to the traces (a short ``peft`` LoRA run), sits
 in a low-rank, anisotropic loss basin. Probe the basin with a fixed set of random low-rank weight

@@ -1,4 +1,4 @@
-"""LQZO: low-rank quantized zeroth-order fine-tuning (paper 02, ``papers/02-lqzo.md``).
+"""LQZO: low-rank quantized zeroth-order fine-tuning (paper 02, ``docs/papers/02-lqzo.md``).
 
 A quantized model is fine-tuned without backpropagation. Every block linear layer holds fixed
 integer codes and a trainable per-group scale matrix ``S`` (out x G, :class:`~workbench.quant.

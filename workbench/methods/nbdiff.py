@@ -1,5 +1,5 @@
 """NBDIFF: adapting an autoregressive LM into a block-diffusion LM (paper 19,
-``papers/19-nbdiff.md``).
+``docs/papers/19-nbdiff.md``).
 
 Block diffusion (BD3-LM, kuleshov-group/bd3lms ``models/dit.py``) splits a sequence into blocks
 of ``size`` tokens; blocks are generated left to right, the tokens inside a block by masked
@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from ..runtime import fast_math
+from ..device import fast_math
 
 __all__ = ["EPS", "PATHS", "block_ids", "block_mask", "parallel_mask", "additive", "add_mask_token",
            "p_mask", "noise", "shifted_logits", "weighted_ce", "diffusion_loss", "one_pass",

@@ -1,6 +1,6 @@
 """Numerical Feature Inflation (NFI): the Slingshot loss spikes as a finite-precision effect.
 
-Paper 12 (NeurIPS 2026; spec in ``papers/12-nfi.md``). The chain of the argument, and where each
+Paper 12 (NeurIPS 2026; spec in ``docs/papers/12-nfi.md``). The chain of the argument, and where each
 link lives here:
 
 1. *Absorption.* With the correct-class logit ahead of the others by a gap g, the softmax
@@ -50,8 +50,8 @@ def absorption_threshold(dtype, num_classes: int = 2, pooled: bool = True) -> fl
     """Logit gap beyond which 1 + (C - 1) e^{-g} rounds to exactly 1 in ``dtype``.
 
     fl(1 + t) = 1 exactly when t <= eps / 2 (half an ulp of 1, ties to even), so with
-    t = (C - 1) e^{-g} the threshold is g* = ln(2 / eps) + ln(C - 1) (REFERENCES.md, "Softmax
-    absorption"): ln(2^24) = 16.64 in float32. That is the bound for a denominator rounded once
+    t = (C - 1) e^{-g} the threshold is g* = ln(2 / eps) + ln(C - 1) (docs/papers/12-nfi.md,
+    "Definitions and departures"): ln(2^24) = 16.64 in float32. That is the bound for a denominator rounded once
     (``pooled``: the tiny terms are added to each other before they meet the 1). A kernel that adds
     each tiny term to the running 1 on its own absorbs from ln(2 / eps) on (``pooled=False``);
     real reduction orders sit in between, which :func:`gap_sweep` measures.

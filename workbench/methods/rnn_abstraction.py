@@ -13,7 +13,7 @@ different; the paper's claims are about what it builds anyway:
 - a next-token RNN that does not build the abstraction (C5), but learns faster from the
   classifier's rank-k scaffold than from random init or an equal-norm control scaffold (C6).
 
-Implementation choices (say which and why, REFERENCES.md):
+Implementation choices (say which and why, docs/papers/17-rnn-abstraction.md):
 
 - the input pathway (token embeddings, N(0, 1) entries, and ``W_ih``) is *fixed*: novel tokens get
   no gradient, so a trained table would drift the train tokens away from the novel ones and

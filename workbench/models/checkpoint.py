@@ -83,7 +83,7 @@ NOTEBOOK_NEEDS = {
 }
 
 
-# parameters renamed by issue 34 (one model parameter convention): old name -> new name
+# parameters renamed to one model parameter convention: old name -> new name
 RENAMED = {
     "02-lqzo": {"model_name": "model"}, "04-hybrid-lora": {"base": "model"},
     "06-hint-tuning": {"instruct": "instruct_model", "reasoning": "reasoning_model"},
@@ -167,7 +167,7 @@ def card(value, model=None) -> dict:
     from ``model`` when given."""
     d = _dir(value)
     f = d / "card.json"
-    from .recipes import ALL_FAMILIES
+    from ..data.tasks import ALL_FAMILIES
     base = {"name": d.name, "trained_tasks": list(ALL_FAMILIES), "recipe": {"with_steps": False,
             "easiest": None}, "tokens_seen": None, "heldout_ppl": None, "unigram_ppl": None}
     found = json.loads(f.read_text()) if f.exists() else {}

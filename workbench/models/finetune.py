@@ -18,8 +18,8 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from .. import cache
-from ..runtime import fast_math
 from ..data import packing
+from ..device import fast_math
 from . import zoo
 
 __all__ = ["TARGETS", "LoraSettings", "lora_model", "train_steps", "train_lora", "cached_lora"]

@@ -14,17 +14,13 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 
 from .. import cache
-from ..data import tasks
+from ..data.tasks import ALL_FAMILIES, difficulties  # the task constants live with the tasks
 
 __all__ = ["ZOO_VERSION", "ALL_FAMILIES", "Size", "Recipe", "RECIPES", "SMOKE_V2", "SMOKE_V3",
            "FULL_V2", "SMOKE_V4", "SMOKE_V4_KV", "FULL_V4", "recipe", "difficulties"]
 
-ZOO_VERSION = 3   # 3: every family its own prompt surface (tasks v4); 2: the last packed task
-#                   row is kept (1 dropped it)
-# the families every card evaluates (and the tokenizer samples); longadd, the long-trace family,
-# is evaluated by the recipes that name it in ``extra_eval``
-ALL_FAMILIES = ("add", "addmod", "sub", "mul", "chain", "reverse", "sort", "rotate", "swap",
-                "dedupe", "kv", "count", "pattern", "pattern_skip")
+ZOO_VERSION = 3   # in every key: moves every build when the task text changes for all recipes
+#                   (it last did when each family got its own prompt surface)
 
 
 @dataclass(frozen=True)
@@ -66,9 +62,10 @@ class Recipe:
     easiest: int | None = 1                   # train/evaluate the k easiest difficulties only
     seed: int = 0                             # the build seed (independent of notebook seeds)
     loop: str = "v1"                          # v1: lm-tiny's original loop (kept bit-for-bit);
-    #                                           v2: pre-drawn windows, no per-step host syncs
+    #                                           v2: pre-drawn windows, no per-step host syncs;
+    #                                           v3: v2 with positions restarting per document
     eval_by_difficulty: bool = False          # card: accuracy at every difficulty, on prompts
-    #                                           never trained on (v2 recipes)
+    #                                           never trained on
     context_share: float = 0.0               # share of each ordinary family's examples trained
     #                                           in multi-example contexts (one row, no attention
     #                                           reset between them); in-context families (rule
@@ -77,7 +74,7 @@ class Recipe:
     #                                           last (contexts that overflow ctx are cut)
     icl_shots: int = 0                        # card: exact match with 0 and with this many
     #                                           demonstrations in the context (0: no such column)
-    init_from: str | None = None              # v4: fine-tune this zoo recipe's built model (its
+    init_from: str | None = None              # fine-tune this zoo recipe's built model (its
     #                                           weights, tokenizer and sizes; its key enters ours)
     direct_levels: tuple[int, ...] | None = None   # with steps: per train task, how many of its
     #                                           easiest difficulties are rendered as bare answers
@@ -90,7 +87,7 @@ class Recipe:
     #                                           direct answers this one's forced-direct answers
     #                                           are compared with (built if missing)
     smoke: Size = field(default_factory=Size)
-    # full (issue 34): one H100 builds it in at most 10 minutes in bf16 (workbench plan: about
+    # full: one H100 builds it in at most 10 minutes in bf16 (workbench plan: about
     # 200M tokens, 6000 steps of 64 x 512, ~27M parameters); the smoke sizes key the shipped zoo
     full: Size = field(default_factory=lambda: Size(
         d_model=512, n_layers=8, n_heads=8, d_ff=1408, ctx=512, vocab=2048, steps=6000,
@@ -119,47 +116,39 @@ class Recipe:
 SMOKE_V2 = Size(d_model=128, n_layers=4, n_heads=4, d_ff=384, ctx=96, vocab=512, steps=600,
                 batch=24, lr=3e-3, warmup=40, n_task_examples=20000, eval_examples=40,
                 threads=1)
-# full sizes (issue 34): each build within 10 minutes on one H100 in bf16 (about 200M tokens;
-# `workbench plan` prints the estimate); the 20,000-step full of before (~10^17 FLOPs) was never
-# built. Only these rows may change here: the smoke sizes key the shipped zoo.
+# full sizes: each build within 10 minutes on one H100 in bf16 (about 200M tokens; `workbench
+# plan` prints the estimate). Only these rows may change here: the smoke sizes key the shipped zoo.
 FULL_V2 = Size(d_model=512, n_layers=8, n_heads=8, d_ff=1408, ctx=512, vocab=2048, steps=6000,
                batch=64, lr=1e-3, warmup=300, n_task_examples=200000, eval_examples=200)
 _V2 = dict(loop="v2", eval_by_difficulty=True, smoke=SMOKE_V2, full=FULL_V2)
-# v3 (issue 18): per-example attention in packed task rows, twice the steps of v2 (about 2.6M
-# tokens, ~4 minutes on one thread), five families of distinct surfaces per model (two families
-# that share a prompt surface, such as reverse and sort, would contradict each other).
-# Measured while choosing (one thread, 1200 steps): direct answers reach >= 0.8 at the middle
-# difficulty on reverse, pattern and count but not on kv (0.27-0.40 even when trained alone,
-# 0.30 after 600 kv-only steps) or 3-digit add (0.00-0.03, also alone); with chain-of-thought
-# steps 3-digit add reaches 0.97.
+# loop v3: per-example attention in packed task rows, 1200 steps (about 2.6M tokens, ~4 minutes
+# on one thread), families of distinct surfaces per model (two families that share a prompt
+# surface, such as reverse and sort, would contradict each other). At these sizes direct answers
+# reach >= 0.8 at the middle difficulty on reverse, pattern and count, not on 3-digit add
+# (0.00-0.03, also alone), which needs its chain-of-thought steps (0.97 with them).
 SMOKE_V3 = replace(SMOKE_V2, steps=1200, warmup=60)
 _V3 = dict(loop="v3", eval_by_difficulty=True, easiest=None, smoke=SMOKE_V3, full=FULL_V2)
-# v4 (issue 31): lm-base reads its context. Loop v3 (a <bos> per document), but half of each
-# ordinary family's examples come as documents of 2..7 examples of that family in one row (no
-# attention reset between them), and four in-context families whose rule is drawn per context
-# (lettermap, digitmap, pick, tag) always come as contexts; 128-token rows, 1600 steps (a shared machine left no time for 2400).
-# Measured while choosing (one thread, docs/zoo-v4-a.md): at 600 and 900 steps no in-context
-# family gained anything from 4 demonstrations (the model had not learned to copy from context).
-# At 1600 steps it copies by position (tag +0.88) but not by key (kv 0.30, lettermap +0.05); four
-# more runs (up to 2400 steps, look-up-heavy mixes, an induction-step format) did not teach keyed
-# look-up either (docs/zoo-v4-a.md), so the v4 build shipped with those two preconditions unmet
-# (v4.1 below meets kv).
+# lm-base reads its context: loop v3 (a <bos> per document), but half of each ordinary family's
+# examples come as documents of 2..7 examples of that family in one row (no attention reset
+# between them), and four in-context families whose rule is drawn per context (lettermap,
+# digitmap, pick, tag) always come as contexts; 128-token rows. This mix teaches copying by
+# position (tag) but not by key, at any step count tried (docs/zoo-lessons.md).
 SMOKE_V4 = replace(SMOKE_V2, ctx=128, steps=1600, warmup=80)
-# v4.1 (issue 31, session 20): kv is learned inside lm-base's mix only in its dense form
-# (kv_dense_sp: the value token right after its key, several questions on one set of pairs a
-# context, every question written ' ; k'), at 43% of the task tokens and about 585k answers drawn:
-# weight 20, 4000 steps, 60000 task examples per unit of weight (docs/zoo-v4-a.md session 19,
-# build B: 1.000 and 0.975 at four pairs on two build seeds; the registry's `kv` surface it no
-# longer trains reads 0.07-0.10). The card evaluates kv_dense_sp at every number of pairs.
+# kv is learned inside lm-base's mix only in its dense form (kv_dense_sp: the value token right
+# after its key, several questions on one set of pairs a context, every question written ' ; k'),
+# at 43% of the task tokens and about 585k answers drawn: weight 20, 4000 steps, 60000 task
+# examples per unit of weight (1.000 and 0.975 at four pairs on two build seeds; the registry's
+# `kv` surface, which it does not train, reads 0.07-0.10; docs/zoo-lessons.md). The card
+# evaluates kv_dense_sp at every number of pairs.
 SMOKE_V4_KV = replace(SMOKE_V4, steps=4000, warmup=150, n_task_examples=60000)
 FULL_V4 = replace(FULL_V2, ctx=1024, batch=32)      # the same tokens a step, longer contexts
 
-# v4 (issue 31): lm-instruct and lm-reasoning are fine-tunes of one base (init_from). Same
-# architecture as the base (init_model checks it); a lower learning rate; lm-reasoning trains at
-# ctx 256 so that a 14-digit longadd trace (about 200 tokens with its prompt) fits a row.
-# Session 20: on the kv_dense_sp base the long trace has room (longadd at 12 digits 0.95 at a
-# forced-direct share of 0.3, 0.90 at 0.4), so lm-reasoning takes the 0.4 share that the old base
-# could not afford (direct ratio 0.78 -> 0.81: at the bar, within build-to-build noise).
+# lm-instruct and lm-reasoning are fine-tunes of one base (init_from), as the papers' instruct
+# and thinking models are. Same architecture as the base (init_model checks it); a lower learning
+# rate; lm-reasoning trains at ctx 256 so that a 14-digit longadd trace (about 200 tokens with its
+# prompt) fits a row. Its forced-direct share trades direct answers against long traces: 0.4
+# keeps longadd at 12 digits at 0.90 (0.95 at 0.3) and lifts the direct ratio to 0.81 (0.78 at
+# 0.3), a gain within build-to-build noise (docs/zoo-lessons.md).
 SMOKE_V4_FT = replace(SMOKE_V3, steps=600, lr=1e-3, warmup=30)
 SMOKE_V4_LONG = replace(SMOKE_V3, ctx=256, steps=800, lr=1e-3, warmup=30)
 FULL_V4_FT = replace(FULL_V2, steps=2000, lr=3e-4, warmup=100)
@@ -231,9 +220,3 @@ def recipe(name: str, given: Recipe | None = None) -> Recipe:
         raise KeyError(f"unknown zoo model {name!r}; recipes are {sorted(RECIPES)}")
     cache.note_use(name)        # loads and cache keys of derived runs all look their recipe up
     return RECIPES[name]
-
-
-def difficulties(family: str, easiest: int | None) -> tuple[int, ...]:
-    """The difficulties of ``family`` a recipe trains on: its ``easiest`` ones (all when None)."""
-    d = tasks.get(family).difficulties
-    return d if easiest is None else d[:easiest]

@@ -33,8 +33,8 @@ from pathlib import Path
 from .. import cache
 from . import adapters, clip, zoo
 
-__all__ = ["SCALE", "FILES", "entries", "check", "ship", "size_bytes", "smoke_entries",
-           "ship_smoke", "check_smoke", "MANIFEST"]
+__all__ = ["SCALE", "FILES", "entries", "check", "not_copied", "ship", "size_bytes",
+           "smoke_entries", "ship_smoke", "check_smoke", "MANIFEST"]
 
 SCALE = "smoke"
 # what a shipped folder keeps (lock files, peft's README and temporary folders stay behind)
@@ -76,6 +76,19 @@ def check(root: Path | None = None) -> list[str]:
         if str(d.relative_to(root)) not in kept:
             problems.append(f"{d.relative_to(root)}: shipped but no recipe has this key (remove it)")
     return problems
+
+
+def not_copied() -> list[dict]:
+    """The cards of what ``data/zoo`` ships at today's keys and the cache does not hold yet, as
+    ``workbench zoo list`` shows them beside the built ones: each with its ``path`` in
+    ``data/zoo`` and ``"shipped": True``. The backbones first, then the pool, then the mini-CLIP
+    (the order of the built ones); :func:`workbench.cache.build` copies each on first use."""
+    out = []
+    for rel, _ in sorted(entries().values(), key=lambda e: (len(e[0].parts), str(e[0]))):
+        card = cache.shipped_root() / rel / "card.json"
+        if card.exists() and not (zoo.zoo_dir() / rel / "card.json").exists():
+            out.append({**json.loads(card.read_text()), "path": str(card.parent), "shipped": True})
+    return out
 
 
 def _folders(root: Path) -> list[Path]:

@@ -21,11 +21,12 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
                           Qwen2Config, Qwen2ForCausalLM)
 
 from .. import evaluate
-from ..runtime import fast_math
 from ..data import corpus, packing, tasks
+from ..data.tasks import ALL_FAMILIES, difficulties
+from ..device import fast_math
 from ..env import torch_threads
 from ..progress import progress
-from .recipes import ALL_FAMILIES, ZOO_VERSION, Recipe, Size, difficulties
+from .recipes import ZOO_VERSION, Recipe, Size
 
 __all__ = ["make_model", "tokenizer", "task_examples", "completions", "task_documents",
            "encode_documents", "init_model", "task_rows", "optimizer", "loop_v1", "loop_v2", "LOOPS",
@@ -142,7 +143,7 @@ def encode_documents(tok, docs: list[list], ctx: int, with_steps: bool = False,
 
 def completions(r: Recipe, exs) -> list[str]:
     """The rendered completion of each training example. Without steps: the bare answer. With
-    steps: the steps then the answer, except (v4) the ``direct_levels[i]`` easiest difficulties
+    steps: the steps then the answer, except the ``direct_levels[i]`` easiest difficulties
     of train task ``i``, rendered as bare answers (easy items answered at once), and a
     ``forced_direct_share`` of the rest (of every family but ``trace_only``'s, so the form is
     known everywhere) rendered ``" => answer"`` (the form of a forced direct answer, notebook
@@ -216,8 +217,9 @@ def train_and_save(r: Recipe, scale: str, out: Path, load: Callable | None = Non
     scale) -> (model, tok)`` (``zoo.load``) gives a fine-tune its base (``init_from``) and the
     card its comparison model (``compare_direct``)."""
     # Small matmuls on a shared CPU: one thread avoids OpenMP spin-waiting, which we measured
-    # making a 2-thread step ~10x slower under contention (v1). v2 recipes name their threads
-    # (benchmarks/zoo_throughput.py measures both). WORKBENCH_ZOO_THREADS overrides either.
+    # making a 2-thread step ~10x slower under contention (loop v1). Recipes on the later loops
+    # name their threads (benchmarks/zoo_throughput.py measures both). WORKBENCH_ZOO_THREADS
+    # overrides either.
     default = r.size(scale).threads if r.loop != "v1" else 1
     with torch_threads(os.environ.get("WORKBENCH_ZOO_THREADS", default)):
         return _train_and_save_inner(r, scale, out, load)
@@ -339,7 +341,7 @@ def _train_and_save_inner(r: Recipe, scale: str, out: Path, load: Callable | Non
     torch.manual_seed(r.seed)
     device = torch.device("cuda" if scale == "full" and torch.cuda.is_available() else "cpu")
     base_card = None
-    if r.init_from is not None:      # v4: a fine-tune of a built zoo model, its tokenizer too
+    if r.init_from is not None:      # a fine-tune of a built zoo model, its tokenizer too
         model, tok, base_card = init_model(r, scale, s, load)
     else:
         tok = tokenizer(r, s)

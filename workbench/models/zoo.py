@@ -1,7 +1,7 @@
 """The zoo: small pretrained language models, built once on first use and cached.
 
 Most papers adapt, quantize, route or merge a *pretrained* LM, and nothing may be downloaded, so
-the workbench pretrains its own (ZOO.md). The recipes live in :mod:`workbench.models.recipes`,
+the workbench pretrains its own (docs/zoo.md). The recipes live in :mod:`workbench.models.recipes`,
 the training in :mod:`workbench.models.training`, the evaluation in :mod:`workbench.evaluate`;
 this module is the cache in front of them.
 
@@ -28,8 +28,9 @@ from pathlib import Path
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from .. import cache
+from ..data.tasks import ALL_FAMILIES
 from . import checkpoint
-from .recipes import ALL_FAMILIES, RECIPES, Recipe, recipe
+from .recipes import RECIPES, Recipe, recipe
 from .training import train_and_save
 
 __all__ = ["ALL_FAMILIES", "RECIPES", "recipe", "zoo_dir", "model_dir", "load", "ensure", "build",
