@@ -240,3 +240,28 @@ def test_a_record_is_carried_over_only_when_no_number_moves(project, capsys):
     assert "carried over" in capsys.readouterr().out
     assert results.stale("99-demo") == []
     assert results.load("99-demo")["metrics"]["acc"]["values"] == [0.5, 0.7, 0.9]
+
+
+def test_compare_leaves_out_what_a_run_reads_off_the_clock(tmp_path):
+    """Wall-clock measures a name does not give away are named by the run (``run.clock``, a
+    claim's ``clock=``); either run's list counts, so an older run without one compares too."""
+    from workbench.runtime import Run
+    runs = {}
+    for name, tps in (("a", 100.0), ("b", 250.0)):
+        run = Run("99-demo", out_dir=tmp_path / name, params={})
+        run.record(acc=0.5)
+        run.clock(ratio=tps / 200)
+        run.claim("C1", "fast enough", holds=True, clock=("repeats",),
+                  evidence={"repeats": [tps, tps], "flops": 10})
+        runs[name] = run.summary()
+    assert runs["a"]["clock"] == ["ratio"] and runs["a"]["claims"][0]["clock"] == ["repeats"]
+    assert compare.diff_metrics(runs["a"], runs["b"]) == []
+    older = {**runs["a"], "clock": [], "claims": [{**runs["a"]["claims"][0], "clock": []}]}
+    assert compare.diff_metrics(older, runs["b"]) == []
+    runs["b"]["metrics"]["acc"] = 0.6
+    runs["b"]["claims"][0]["evidence"]["flops"] = 11
+    assert compare.diff_metrics(runs["a"], runs["b"]) == [
+        "metric acc: 0.5 -> 0.6", "claim C1 evidence flops: 10 -> 11"]
+    with pytest.raises(KeyError, match="does not hold"):
+        Run("99-demo", out_dir=tmp_path / "c", params={}).claim(
+            "C1", "x", holds=True, evidence={"a": 1}, clock=("b",))

@@ -3,10 +3,11 @@
 ``workbench compare BEFORE AFTER [--tol 0]`` (or ``python -m workbench.compare``) reads every
 ``metrics.json`` under both folders (``<slug>/<params>/seed-N/``), pairs the jobs, and prints each
 metric whose value differs by more than ``--tol`` (relative) and each claim whose verdict differs,
-then one summary line; exit status 1 when anything differs. Timings (``duration_s``, names ending ``_s``, ``seconds``,
-``_time``) are left out: they measure the machine, not the experiment. A metric that only the
-second run records is listed as added, not as a difference (a refactor may record more numbers
-for its prose; it may not move one). A refactor that must not move a number is checked with
+then one summary line; exit status 1 when anything differs. Timings (``duration_s``, names ending
+``_s``, ``seconds``, ``_time``, and whatever a run names in its ``clock`` lists: ``run.clock``,
+a claim's ``clock=``) are left out: they measure the machine, not the experiment. A metric that
+only the second run records is listed as added, not as a difference (a refactor may record more
+numbers for its prose; it may not move one). A refactor that must not move a number is checked with
 ``--tol 0``.
 
 Torch-free.
@@ -69,11 +70,19 @@ def _differs(a, b, tol: float) -> bool:
     return abs(a - b) > tol * max(abs(a), abs(b), 1e-12)
 
 
+def _clocked(name: str, clock: set) -> bool:
+    """A timing by its name, or one a run named in its ``clock`` list (``run.clock``, a claim's
+    ``clock=``): the list of either run counts, so a run that names a measure for the first time
+    is compared with one from before it did."""
+    return is_timing(name) or name.split(".")[0] in clock
+
+
 def diff_metrics(before: dict, after: dict, tol: float = 0.0) -> list[str]:
     """Lines naming every metric, claim verdict or claim evidence that differs."""
     lines = []
-    ma = {k: v for k, v in _flat(before.get("metrics", {})) if not is_timing(k)}
-    mb = {k: v for k, v in _flat(after.get("metrics", {})) if not is_timing(k)}
+    clock = set(before.get("clock", [])) | set(after.get("clock", []))
+    ma = {k: v for k, v in _flat(before.get("metrics", {})) if not _clocked(k, clock)}
+    mb = {k: v for k, v in _flat(after.get("metrics", {})) if not _clocked(k, clock)}
     for k in sorted(set(ma) | set(mb)):
         if k not in ma:
             continue                                  # added: counted by added_metrics
@@ -89,8 +98,9 @@ def diff_metrics(before: dict, after: dict, tol: float = 0.0) -> list[str]:
             continue
         if ca[cid].get("holds") != cb[cid].get("holds"):
             lines.append(f"claim {cid}: holds {ca[cid].get('holds')} -> {cb[cid].get('holds')}")
-        ea = {k: v for k, v in _flat(ca[cid].get("evidence", {})) if not is_timing(k)}
-        eb = {k: v for k, v in _flat(cb[cid].get("evidence", {})) if not is_timing(k)}
+        held = set(ca[cid].get("clock", [])) | set(cb[cid].get("clock", []))
+        ea = {k: v for k, v in _flat(ca[cid].get("evidence", {})) if not _clocked(k, held)}
+        eb = {k: v for k, v in _flat(cb[cid].get("evidence", {})) if not _clocked(k, held)}
         for k in sorted(set(ea) | set(eb)):
             if k not in ea or k not in eb or _differs(ea[k], eb[k], tol):
                 lines.append(f"claim {cid} evidence {k}: {ea.get(k, '(none)')!r} -> "
@@ -101,7 +111,9 @@ def diff_metrics(before: dict, after: dict, tol: float = 0.0) -> list[str]:
 def added_metrics(before: dict, after: dict) -> list[str]:
     """Metrics only ``after`` records (new numbers, not moved ones)."""
     ma = {k for k, _ in _flat(before.get("metrics", {}))}
-    return sorted(k for k, _ in _flat(after.get("metrics", {})) if k not in ma and not is_timing(k))
+    clock = set(after.get("clock", []))
+    return sorted(k for k, _ in _flat(after.get("metrics", {}))
+                  if k not in ma and not _clocked(k, clock))
 
 
 def compare(before: Path, after: Path, tol: float = 0.0, only=None) -> dict:

@@ -3,8 +3,9 @@
 A notebook calls ``run = workbench.start("12-nfi", globals())`` once, after its parameters cell,
 and ends with ``run.finish()``. In between it reads its sizes with ``run.sizes(SIZES)``, records
 metrics with ``run.record``, states its claims with ``run.claim`` and saves figures with
-``run.savefig``. ``finish`` writes ``metrics.json`` (the contract with the report, see docs/design.md),
-``params.json`` and ``env.json`` and returns the verdict table (HTML in Jupyter, text elsewhere).
+``run.savefig``. ``finish`` writes ``metrics.json`` (the contract with the report, see
+docs/design.md), ``params.json`` and ``env.json`` and returns the verdict table (HTML in Jupyter,
+text elsewhere). ``run.clock`` records what is read off the wall clock.
 
 Strict mode (``WORKBENCH_STRICT=1``, set by the test suite) makes ``finish`` raise when a claim
 marked ``robust=True`` does not hold.
@@ -100,6 +101,7 @@ class Claim:
     holds: bool
     robust: bool = False
     evidence: dict = field(default_factory=dict)
+    clock: list = field(default_factory=list)    # evidence keys read off the wall clock
 
 
 class Run:
@@ -121,6 +123,7 @@ class Run:
         self.params = {"scale": scale, "seed": self.seed, "device": device,
                        "out_dir": str(out_dir) if out_dir else None, **(params or {})}
         self.metrics: dict[str, Any] = {}
+        self.clock_names: set[str] = set()
         self.claims: list[Claim] = []
         self.figures: list[str] = []
         self.resolved_sizes: dict | None = None
@@ -182,18 +185,31 @@ class Run:
         for key, val in metrics.items():
             self.metrics[key] = _jsonable(val)
 
+    def clock(self, **metrics) -> None:
+        """Record wall-clock measures (times, throughputs, their ratios) as :meth:`record` does,
+        named in ``metrics.json``'s ``clock`` list: they measure the machine and its load, so
+        ``workbench compare`` leaves them out, as it leaves out names that say time (``_s``)."""
+        self.record(**metrics)
+        self.clock_names.update(metrics)
+
     def claim(self, id: str, text: str, holds, evidence: dict | None = None,
-              robust: bool = False) -> Claim:
+              robust: bool = False, clock: Iterable[str] = ()) -> Claim:
         """State claim ``id`` with a verdict computed from measurements.
 
         ``holds`` must be a boolean computed in the notebook (numpy bools are accepted);
-        ``evidence`` holds the numbers behind it.
+        ``evidence`` holds the numbers behind it; ``clock`` names the evidence keys read off the
+        wall clock (left out by ``workbench compare``, like :meth:`clock`'s metrics).
         """
         if not isinstance(holds, (bool, np.bool_)):
             raise TypeError(f"claim {id}: holds must be a computed bool, got {type(holds).__name__}")
         if any(c.id == id for c in self.claims):
             self.claims = [c for c in self.claims if c.id != id]   # re-running a cell replaces it
-        c = Claim(id, text, bool(holds), bool(robust), _jsonable(evidence or {}))
+        evidence = _jsonable(evidence or {})
+        clock = [clock] if isinstance(clock, str) else list(clock)
+        unknown = [k for k in clock if k not in evidence]
+        if unknown:
+            raise KeyError(f"claim {id}: clock names {unknown}, which its evidence does not hold")
+        c = Claim(id, text, bool(holds), bool(robust), evidence, clock)
         self.claims.append(c)
         mark = "holds" if c.holds else "does NOT hold"
         print(f"[{id}{' robust' if robust else ''}] {mark}: {text}")
@@ -239,6 +255,7 @@ class Run:
         return {"notebook": self.slug, "scale": self.scale, "seed": self.seed,
                 "duration_s": round(self.duration_s, 2), "params": _jsonable(self.params),
                 "sizes": _jsonable(self.resolved_sizes), "metrics": self.metrics,
+                "clock": sorted(self.clock_names),
                 "claims": [c.__dict__ for c in self.claims], "figures": self.figures,
                 "zoo": cache.used(), "cache": cache.entries()}
 

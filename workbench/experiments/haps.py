@@ -381,7 +381,8 @@ def summary(per_family: pd.DataFrame, c1: pd.DataFrame, cost: pd.DataFrame, agre
     """The scalars "What we saw" quotes: every routing's test exact match over all families
     (``acc_<method>``) and on ``kv``, C1's smallest change against the static model and
     smallest variation of Delta W, the routers' agreement with architecture-only routing, and
-    C5's parameter count and latency overhead per candidate."""
+    C5's parameter count (the latency overhead is read off the clock: the notebook records it
+    with ``run.clock``)."""
     out = {}
     for m, row in per_family.iterrows():
         key = "single_best" if m.startswith("single best") else SHORT[m]
@@ -392,8 +393,6 @@ def summary(per_family: pd.DataFrame, c1: pd.DataFrame, cost: pd.DataFrame, agre
                c1_min_dw_variation=float(c1["dW varies across queries (rel.)"].min()),
                c5_haps_params=int(haps_params))
     out.update({f"c4_agreement_{SHORT[v]}": float(a) for v, a in agreement.items()})
-    out.update({"c5_overhead_" + n.replace("-", "_"): float(v)
-                for n, v in cost["latency overhead"].items()})
     return out
 
 
