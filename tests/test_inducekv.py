@@ -35,9 +35,15 @@ def test_cached_entry_equals_running_the_prefix_text(tiny, family):
             full = model(input_ids=torch.tensor([e.ids + qi]), output_hidden_states=True)
             cached = K.forward_with_entries(model, [e], torch.tensor([qi]),
                                             output_hidden_states=True)
-        for hf, hc in zip(full.hidden_states, cached.hidden_states):
-            assert torch.allclose(hf[0, e.length:], hc[0], atol=1e-5, rtol=1e-5)
-        assert torch.allclose(full.logits[0, e.length:], cached.logits[0], atol=1e-5, rtol=1e-5)
+        # the two paths sum attention in another order (other matmul shapes): float32 rounding
+        # then differs by about 1e-6 of the largest activation (1.1-1.3e-6 measured under torch's
+        # AVX-512, AVX2 and portable kernels and MKL's reproducible path), so an element near zero
+        # may differ by more than any fixed atol; 1e-5 of the largest is rounding on every CPU,
+        # and wrong positions (the test below) move logits by more than 1e-3
+        pairs = [*zip(full.hidden_states, cached.hidden_states), (full.logits, cached.logits)]
+        for hf, hc in pairs:
+            scale = float(hf.abs().max())
+            torch.testing.assert_close(hc[0], hf[0, e.length:], rtol=1e-5, atol=1e-5 * scale)
 
 
 def test_wrong_positions_break_the_equivalence(tiny):
