@@ -7,10 +7,16 @@ import pytest
 from workbench import cache
 from workbench.models import shipped, zoo
 
-# a rebuild on another CPU may round differently (data/zoo.md); one on a machine of the same kind
-# reproduced every card digit for digit. Within these the rebuild is the shipped model's twin.
-PPL_REL_TOL = 0.05          # held-out perplexity, relative
-ACC_ABS_TOL = 0.15          # each family's exact match (100 prompts a family for lm-tiny)
+# A rebuild on another CPU is another model of the same recipe: torch's and MKL's kernels round
+# sums in their own order, and 400 steps carry the difference. benchmarks/rebuild_spread.py built
+# lm-tiny under five CPU code paths (torch's AVX-512, AVX2 and portable kernels, MKL's reproducible
+# mode, both) at three build seeds (docs/benchmarks.md, "rebuild-spread"). At one seed the code
+# paths spread held-out perplexity over up to 7.9% (the shipped card, built on another machine,
+# counted as one more path at its seed) and mean exact match over up to 0.11; single families
+# swing far more (add 0.40-1.00 at one seed), so none is compared alone. The bounds are those
+# widest spreads and half again.
+PPL_REL_TOL = 0.12          # held-out perplexity, relative
+MEAN_ACC_TOL = 0.165        # exact match averaged over the card's 14 families (100 prompts each)
 
 
 def test_every_recipe_pool_and_clip_is_shipped_at_its_key():
@@ -122,7 +128,8 @@ def test_check_smoke_names_an_unfinished_entry_and_a_stray_file(tmp_path):
 
 @pytest.mark.slow
 def test_lm_tiny_rebuilds_to_its_shipped_card(tmp_path, monkeypatch):
-    """CI trains one small recipe from scratch and compares it with the card it ships."""
+    """CI trains one small recipe from scratch and compares it with the card it ships: what must
+    be the same on any machine exactly, the card's figures within the spread of CPUs."""
     monkeypatch.setenv("WORKBENCH_CACHE", str(tmp_path))
     rel, _ = shipped.entries()["lm-tiny"]
     want = json.loads((cache.shipped_root() / rel / "card.json").read_text())
@@ -130,8 +137,9 @@ def test_lm_tiny_rebuilds_to_its_shipped_card(tmp_path, monkeypatch):
     assert got["key"] == want["key"] and got["parameters"] == want["parameters"]
     assert got["tokens_seen"] == want["tokens_seen"]
     assert got["heldout_ppl"] == pytest.approx(want["heldout_ppl"], rel=PPL_REL_TOL)
-    for fam, acc in want["task_accuracy"].items():
-        assert abs(got["task_accuracy"][fam] - acc) <= ACC_ABS_TOL, fam
+    assert set(got["task_accuracy"]) == set(want["task_accuracy"])
+    mean = lambda card: sum(card["task_accuracy"].values()) / len(card["task_accuracy"])  # noqa: E731
+    assert mean(got) == pytest.approx(mean(want), abs=MEAN_ACC_TOL)
 
 
 def test_zoo_list_on_a_fresh_cache_shows_the_shipped_zoo(tmp_path, monkeypatch, capsys):

@@ -30,7 +30,8 @@ from .env import project_root
 from .stats import mean_std
 
 __all__ = ["SEEDS", "RESULTS_TAG", "EXPLORE_TAG", "results_dir", "path", "notebook_key",
-           "zoo_keys", "current_key", "record", "rekey", "load", "stale", "Recorded", "table", "show", "render", "say", "findings", "main"]
+           "zoo_keys", "current_key", "record", "rekey", "load", "stale", "Recorded", "table",
+           "show", "render", "say", "findings", "main"]
 
 SEEDS = (0, 1, 2)           # the seeds a recorded result covers
 RESULTS_TAG = "results"     # a code cell tagged so shows recorded results: not part of the key
