@@ -195,6 +195,21 @@ def validate_params(info: NotebookInfo, raw: dict[str, list[str]], seeds=(),
                     print(f"warning: {info.slug}: {w}", file=sys.stderr)
             except checkpoint.CheckpointError as e:
                 raise ParameterError(str(e)) from None
+    # and each checkpoint with each value of the knobs its shapes must fit, at this scale
+    fitted = {n: v for n, v in typed.items()
+              if n in checkpoint.NOTEBOOK_NEEDS.get(info.slug, {}) or n in checkpoint.FIT_KNOBS}
+    if scale is None and "scale" in spec:
+        scale = _coerce(spec["scale"]["default"], "str")
+    if scale is not None and fitted:
+        said = set()
+        for point in grid(fitted):
+            try:
+                for w in checkpoint.fit(info.slug, point, scale):
+                    if w not in said:
+                        said.add(w)
+                        print(f"warning: {info.slug}: {w}", file=sys.stderr)
+            except checkpoint.CheckpointError as e:
+                raise ParameterError(str(e)) from None
     return typed
 
 

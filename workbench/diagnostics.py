@@ -206,9 +206,9 @@ def ablate_random(w: torch.Tensor, k=0, generator: torch.Generator | None = None
     s = torch.linalg.svdvals(w.detach())
     ks = [k] if isinstance(k, int) else list(k)
     out = w.detach().clone()
-    for i in ks:
-        u = torch.randn(w.shape[0], generator=generator, dtype=w.dtype)
-        v = torch.randn(w.shape[1], generator=generator, dtype=w.dtype)
+    for i in ks:                        # drawn on the host: the same directions on every device
+        u = torch.randn(w.shape[0], generator=generator, dtype=w.dtype).to(w.device)
+        v = torch.randn(w.shape[1], generator=generator, dtype=w.dtype).to(w.device)
         out = out - s[i] * torch.outer(u / u.norm(), v / v.norm())
     return out
 

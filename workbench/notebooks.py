@@ -1,4 +1,5 @@
-"""The notebooks on disk: discovery, their title and claims, their parameters, and hygiene.
+"""The notebooks on disk: discovery, their title and claims, their parameters and SIZES table,
+and hygiene.
 
 No torch here: the CLI imports this module and must start fast. A ground-floor module: it
 reads notebook files and imports only ``env``, so the run, the runner and ``workbench plan``,
@@ -256,6 +257,20 @@ def parameters(path: Path) -> dict[str, dict]:
         out[name] = {"type": kind, "default": default, "help": help_text,
                      "limit": parse_limit(help_text)}
     return out
+
+
+def sizes_table(path: Path) -> dict:
+    """The notebook's ``SIZES`` literal (the cell that assigns it; literals and ``dict()`` only)."""
+    nb = json.loads(Path(path).read_text())
+    for cell in nb["cells"]:
+        src = "".join(cell["source"])
+        if cell["cell_type"] == "code" and "SIZES = " in src:
+            tree = ast.parse(src)
+            for stmt in tree.body:
+                if isinstance(stmt, ast.Assign) and getattr(stmt.targets[0], "id", "") == "SIZES":
+                    code = compile(ast.Expression(stmt.value), str(path), "eval")
+                    return eval(code, {"__builtins__": {"dict": dict}})   # literals only
+    raise LookupError(f"{path.name}: no SIZES cell")
 
 
 def clean(path: Path) -> bool:

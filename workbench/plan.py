@@ -23,7 +23,6 @@ transformers (the CLI starts fast).
 from __future__ import annotations
 
 import ast
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -379,20 +378,6 @@ ZOO_PARAMS = ("model", "base", "model_name", "student", "teacher_model", "model_
 
 # -- reading a notebook ---------------------------------------------------------------------------
 
-def sizes_table(path: Path) -> dict:
-    """The notebook's ``SIZES`` literal (the cell that assigns it; literals and ``dict()`` only)."""
-    nb = json.loads(Path(path).read_text())
-    for cell in nb["cells"]:
-        src = "".join(cell["source"])
-        if cell["cell_type"] == "code" and "SIZES = " in src:
-            tree = ast.parse(src)
-            for stmt in tree.body:
-                if isinstance(stmt, ast.Assign) and getattr(stmt.targets[0], "id", "") == "SIZES":
-                    code = compile(ast.Expression(stmt.value), str(path), "eval")
-                    return eval(code, {"__builtins__": {"dict": dict}})   # literals only
-    raise LookupError(f"{path.name}: no SIZES cell")
-
-
 def _coerce(value: str, like):
     if isinstance(like, bool):
         return value.lower() in ("1", "true", "yes")
@@ -408,7 +393,7 @@ def _coerce(value: str, like):
 def estimate(slug: str, path: Path, scale: str = "full", params: dict | None = None) -> Estimate:
     """The cost of one job of notebook ``slug`` at ``scale`` with ``params`` (strings as ``-p``
     gives them), and of the zoo builds it would start."""
-    from .notebooks import parameters
+    from .notebooks import parameters, sizes_table
     spec = parameters(path)
     defaults = {}
     for name, info in spec.items():

@@ -399,7 +399,8 @@ def check_limits(params: dict, slug: str) -> None:
         if name in spec:
             check_limit(slug, name, value, spec[name])
     from .models import checkpoint         # a checkpoint the notebook cannot use: refused now
-    for w in checkpoint.validate_params(slug, params, device=params.get("device")):
+    for w in checkpoint.validate_params(slug, params, device=params.get("device"),
+                                        scale=params.get("scale")):
         warnings.warn(w, stacklevel=3)
 
 

@@ -478,16 +478,18 @@ def group_table(bed: Bed, results: dict, bits_list, sizes, group_size: int) -> p
 
 def grid_rows(bed: Bed, results: dict, layer: str, bits: int, gs: int, group_size: int,
               row: int = 0, cols: int = 64) -> dict:
-    """One output row of ``layer`` (its first ``cols`` inputs): ``"fp"`` -> the weights, and per
-    method -> ``(dequantized weights, per-group scale)``: RTN and GPTQ quantized afresh at
-    ``bits`` and ``gs`` (one layer, cheap), GSQ read from ``results`` when ``gs == group_size``."""
+    """One output row of ``layer`` (its first ``cols`` inputs), on the host for the figure:
+    ``"fp"`` -> the weights, and per method -> ``(dequantized weights, per-group scale)``: RTN and
+    GPTQ quantized afresh at ``bits`` and ``gs`` (one layer, cheap), GSQ read from ``results``
+    when ``gs == group_size``."""
     w = bed.layers[layer].weight.detach()
     qs = {"rtn": Q.rtn(w, bits, gs), "gptq": Q.gptq(w, bed.H[layer], bits, gs)}
     if gs == group_size:
         qs["gsq"] = results[("gsq", bits)]["info"][layer]["q"]
-    out = {"fp": w[row, :cols].float()}
+    out = {"fp": w[row, :cols].float().cpu()}
     for m, q in qs.items():
-        out[m] = (q.dequantize()[row, :cols], q.scale[row, :max(1, cols // q.group_size)])
+        out[m] = (q.dequantize()[row, :cols].cpu(),
+                  q.scale[row, :max(1, cols // q.group_size)].cpu())
     return out
 
 

@@ -9,8 +9,9 @@ traces (Hutch++, shared per block by default, as the public calibrator) and thei
 scales; runs the QAT comparison (STE, Hestia with one global schedule, the matched global
 control, Hestia with Hessian schedules); compares two runs on the same items with a paired
 bootstrap; checks each quantizer's forward against its backward; times a training step of each
-mode; writes the final model as a GGUF file and reads it back; gathers the evidence of the
-claims; and, for the explorer, draws the relaxed quantizer along one tensor's schedule.
+mode; writes the final model as a GGUF file and reads it back (or says why it skips that, for
+a model the export cannot write); gathers the evidence of the claims; and, for the explorer,
+draws the relaxed quantizer along one tensor's schedule.
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ from workbench.plots import subplots
 __all__ = ["LIMITS", "KEY", "COLOR", "limits", "qat_config", "train_stream", "block_nll",
            "task_items", "Bed", "load_bed", "reference_rows", "sensitivities",
            "trace_table", "qat_methods", "qat_run", "qat_metrics", "row_table", "compare", "consistency",
-           "stepper", "step_costs", "export_gguf", "c2_evidence", "schedule_figure",
+           "stepper", "step_costs", "export_gguf", "gguf_metrics", "gguf_summary",
+           "c2_evidence", "schedule_figure",
            "DEAD_SLOPE", "forward_curve", "dead_share", "relaxation_figure"]
 
 # the knobs' and sizes' allowed values, checked by run.sizes before anything runs
@@ -313,7 +315,14 @@ def export_gguf(model, bed: Bed, path, *, name: str, metadata: dict, ppl_memory:
     """Write ``model``'s ternary tensors as TQ2_0 (Q4_0 where a row is shorter than 256) and read
     the file back: are the stored weights exactly ``fp16(gamma) * q``, which type each tensor
     got, the bits per ternary weight, and the held-out perplexity through transformers (and
-    llama.cpp when installed) beside the in-memory hard model's ``ppl_memory``."""
+    llama.cpp when installed) beside the in-memory hard model's ``ppl_memory``.
+
+    An optional step: for a model the export cannot write (``Q.gguf.unsupported``: an
+    architecture or tokenizer llama.cpp's names are not known for) nothing is written and the
+    result holds ``skipped`` (why) and the in-memory perplexity alone; no claim reads the file."""
+    why = Q.gguf.unsupported(model.config, bed.tok)
+    if why is not None:
+        return {"skipped": why, "ppl": {"in memory (hard ternary)": ppl_memory}}
     codes = {n + ".weight": Q.ternary_quantized(l.weight)
              for n, l in M.ternary_layers(model).items()}
     gguf_path = Q.gguf.export_model_gguf(model, path, "TQ2_0", tokenizer=bed.tok, codes=codes,
@@ -334,6 +343,33 @@ def export_gguf(model, bed: Bed, path, *, name: str, metadata: dict, ppl_memory:
             "types": kinds.value_counts().to_dict(),
             "bits": 8 * sum(data[k]["raw"].nbytes for k in kinds.index) / n_ternary,
             "ppl": file_ppl}
+
+
+_READER_KEY = {"transformers": "transformers", "llama.cpp": "llama_cpp"}
+
+
+def gguf_metrics(gg: dict) -> dict:
+    """What the notebook records of :func:`export_gguf`'s result: the file's size, exactness,
+    bits per ternary weight, tensor types, readers and each reader's perplexity (``gguf_ppl_*``);
+    ``gguf_skipped`` (why) alone when the step was skipped."""
+    if "skipped" in gg:
+        return {"gguf_skipped": gg["skipped"]}
+    return {"gguf_file_bytes": gg["path"].stat().st_size, "gguf_ternary_exact": gg["exact"],
+            "gguf_ternary_bits_per_weight": gg["bits"], "gguf_ternary_types": gg["types"],
+            "gguf_readers": list(gg["ppl"])[1:],
+            **{"gguf_ppl_" + _READER_KEY.get(k, "memory"): v for k, v in gg["ppl"].items()}}
+
+
+def gguf_summary(gg: dict) -> str:
+    """One line on :func:`export_gguf`'s file (or on why there is none)."""
+    if "skipped" in gg:
+        return (f"skipped the GGUF file: {gg['skipped']}; the verdicts do not read it "
+                "(gguf_skipped in the metrics)")
+    readers = list(gg["ppl"])[1:]
+    return (f"{gg['path'].name}: {gg['path'].stat().st_size:,} bytes; ternary tensors "
+            f"{gg['types']}, {gg['bits']:.2f} bits per ternary weight; stored weights exactly "
+            f"fp16(gamma) * q: {gg['exact']}; read by {', '.join(readers)}"
+            + ("" if "llama.cpp" in gg["ppl"] else " (llama-cpp-python is not installed)"))
 
 
 def c2_evidence(hists: dict, models: dict, cfg: M.QATConfig) -> dict:
@@ -391,7 +427,7 @@ def forward_curve(x: torch.Tensor, temp: float, pressure: float):
     if temp <= 0:
         e, slope_e = torch.clamp(torch.round(x), -1, 1), torch.zeros_like(x)
     else:
-        c = torch.tensor(M.CODEBOOK, dtype=x.dtype)
+        c = torch.tensor(M.CODEBOOK, dtype=x.dtype, device=x.device)
         prob = torch.softmax(-(x.unsqueeze(-1) - c) ** 2 / temp, dim=-1)
         e = prob @ c
         slope_e = (2 / temp) * (prob @ (c * c) - e * e)
@@ -412,7 +448,7 @@ def relaxation_figure(w: torch.Tensor, schedule: M.Schedule, glob: M.Schedule, s
     (and its slope), the hard quantizer dashed, the tensor's weights as a histogram. Right: the
     share of its weights in the dead zone over QAT, its schedule against the global one (read
     on 4096 evenly spaced quantiles of the weights, so a move stays cheap)."""
-    x = (w / M.absmean_scale(w)).flatten().float()
+    x = (w / M.absmean_scale(w)).flatten().float().cpu()          # a figure: on the host
     grid = torch.linspace(-2.5, 2.5, 501)
     temp, pres = schedule.temperature(step), schedule.pressure(step)
     f, slope = forward_curve(grid, temp, pres)

@@ -406,7 +406,7 @@ def energy_curves(grads: dict) -> dict:
     the score (3) at rank r is ``1 - curve[r]``; one SVD per module."""
     out = {}
     for n, g in grads.items():
-        s2 = torch.linalg.svdvals(g.double()).numpy() ** 2
+        s2 = torch.linalg.svdvals(g.double()).cpu().numpy() ** 2
         out[n] = np.concatenate([[0.0], np.cumsum(s2) / max(s2.sum(), 1e-300)])
     return out
 

@@ -4,9 +4,10 @@
 What the notebook drives around the method (:mod:`workbench.methods.lqzo`):
 
 - the task: train and held-out problems of a family, a fixed training pool and padded batches
-  (:func:`task_data`), the models' held-out scores (:func:`heldout_scores`), the task loss
-  (:func:`lm_loss`), its per-problem values (:func:`item_losses`; exact matches by
-  ``evaluate.item_scores``) and row subsets (:func:`subset`);
+  (:func:`task_data`), what the model's card says of it (:func:`card_note`), the models'
+  held-out scores (:func:`heldout_scores`), the task loss (:func:`lm_loss`), its per-problem
+  values (:func:`item_losses`; exact matches by ``evaluate.item_scores``) and row subsets
+  (:func:`subset`);
 - C2: the true (autograd) gradient of the scales (:func:`true_gradient`) and how much of each
   layer's energy sits in its top singular directions, against random matrices of the same shape
   (:func:`energy_top`, :func:`gradient_spectrum`);
@@ -41,7 +42,7 @@ from ..methods.lqzo import (CLIP, MIN_SCALE, Perturbation, directions, flat, nea
 from ..models import vit
 from ..plots import subplots
 
-__all__ = ["lm_loss", "item_losses", "paired", "subset", "task_data",
+__all__ = ["lm_loss", "item_losses", "paired", "subset", "task_data", "card_note",
            "width_losses", "heldout_scores", "true_gradient", "cosine", "energy_top",
            "gradient_spectrum", "estimator_quality", "linearized_quality", "forward_quality",
            "layer_quality", "quality_table", "best_time", "draw_times", "zo_finetune",
@@ -91,6 +92,16 @@ def task_data(tok, family: str, difficulty: int, seed: int, device, n_pool: int 
     return {"train_ex": train_ex, "held_ex": held_ex, "pool": pool,
             "train": packing.task_batch(tok, pool, device),
             "held": packing.task_batch(tok, held_ex, device)}
+
+
+def card_note(card: dict, family: str) -> str:
+    """What the model's card says of ``family`` for the setup cell's line: the zoo card's measured
+    accuracy, or, for a checkpoint without one, that there is none (the held-out exact match
+    measured below is the number)."""
+    acc = (card.get("task_accuracy") or {}).get(family)
+    if acc is None:
+        return "no card accuracy (a checkpoint without a zoo card; see the held-out exact match)"
+    return f"card accuracy {acc:.2f}"
 
 
 def width_losses(model, data: dict, group_size: int, widths=(4, 3, 2)) -> dict:

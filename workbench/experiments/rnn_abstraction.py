@@ -59,7 +59,8 @@ def ablated_final_states(model, tokens, W: torch.Tensor, seed: int, n_rand: int 
     for r in range(n_rand):
         variants[f"random{r}"] = D.ablate_random(W, 0, torch.Generator().manual_seed(1000 * seed + r))
     with torch.no_grad():
-        return {k: ra.states_with(model, tokens, w)[:, -1].numpy() for k, w in variants.items()}
+        return {k: ra.states_with(model, tokens, w)[:, -1].cpu().numpy()
+                for k, w in variants.items()}
 
 
 def ablation_decoding(finals: dict, trans: np.ndarray, length: int, seed: int):
@@ -175,9 +176,10 @@ def ablation_sweep(model, tokens, W: torch.Tensor, trans: np.ndarray, labels, se
     variants = _ablations(W, k_max, seed, n_rand)
     with torch.no_grad():
         finals = {key: ra.states_with(model, tokens, w)[:, -1] for key, w in variants.items()}
-        own = {key: float((model.readout(h).argmax(1) == torch.as_tensor(labels)).float().mean())
+        own = {key: float((model.readout(h).argmax(1)
+                           == torch.as_tensor(labels, device=h.device)).float().mean())
                for key, h in finals.items()}
-    finals = {key: h.numpy() for key, h in finals.items()}
+    finals = {key: h.cpu().numpy() for key, h in finals.items()}
     reads = {"pattern (own readout)": own}
     for j in range(trans.shape[1]):
         reads[f"transition {j + 1}"] = ra.fixed_probe(finals[("top", 0)], trans[:, j], finals,

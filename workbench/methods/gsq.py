@@ -243,9 +243,10 @@ def train_subblock(fn, quantizers: dict, inputs: torch.Tensor, targets: torch.Te
     prev = {n: q.hard_index() for n, q in quantizers.items()}
     n_chunks = max(len(inputs) // cfg.batch, 1)
     order = torch.empty(0, dtype=torch.long)
+    where = generator.device if generator is not None else None   # drawn where the generator is
     for t in range(cfg.steps):
         if len(order) == 0:
-            order = torch.randperm(n_chunks, generator=generator)
+            order = torch.randperm(n_chunks, generator=generator, device=where)
         i, order = int(order[0]) * cfg.batch, order[1:]
         tau = schedule(t, cfg.steps, *cfg.temperature)
         lam = schedule(t, cfg.steps, *cfg.logit_scale)

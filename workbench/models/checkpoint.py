@@ -13,11 +13,15 @@ exist; a directory without ``config.json``; one without a tokenizer (an LM) or i
 (a CLIP); an architecture without the modules the notebook's method needs
 (:data:`REQUIREMENTS`, for instance the separate q/k/v/o projections a LoRA method adapts); a
 model whose float32 weights (estimated from the config, on the meta device: nothing is loaded)
-do not fit the device's memory. A tokenizer without a pad token is accepted with a warning: the
-loader sets pad = eos (:func:`pad_warning`); one without a bos token, bos = eos (:func:`bos_warning`).
+do not fit the device's memory. With the run's scale and knobs, :func:`fit` then refuses shapes
+and files a notebook's kernel would fail on (:data:`SHAPES`: a group size that does not divide
+every block linear's in-features, layers too small for 14's vector frontier, a GGUF file a claim
+reads that the export cannot write) and warns of an optional step the notebook will skip. A
+tokenizer without a pad token is accepted with a warning: the loader sets pad = eos
+(:func:`pad_warning`); one without a bos token, bos = eos (:func:`bos_warning`).
 
-Importing this module imports neither torch nor transformers; :func:`validate` imports them only
-for a checkpoint's architecture and size.
+Importing this module imports neither torch nor transformers; :func:`validate` and :func:`fit`
+import them only for a checkpoint's architecture, size and shapes.
 """
 from __future__ import annotations
 
@@ -28,8 +32,10 @@ from pathlib import Path
 
 from .. import cache
 
-__all__ = ["CheckpointError", "REQUIREMENTS", "NOTEBOOK_NEEDS", "RENAMED", "is_checkpoint",
-           "label", "content_hash", "card", "pad_warning", "bos_warning", "validate", "validate_params",
+__all__ = ["CheckpointError", "REQUIREMENTS", "NOTEBOOK_NEEDS", "RENAMED", "SHAPES",
+           "FIT_KNOBS", "is_checkpoint", "label", "content_hash", "card", "pad_warning",
+           "bos_warning", "validate", "validate_params", "fit", "fitting_group_sizes",
+           "vq_least_rows",
            "absolute", "estimate", "device_bytes"]
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -52,6 +58,16 @@ REQUIREMENTS = {
                         "post_attention_layernorm (Llama, Qwen2, Mistral; not GPT-2 or Phi-3)",
                 "linears": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                             "down_proj"), "layers": True},
+    # GSQ's sub-blocks are x + attn(input_layernorm(x)) and h + mlp(post_attention_layernorm(h)):
+    # a layer with more (Gemma2's pre- and post-feedforward norms) would be fitted wrongly
+    "llama_layer": {"text": "Llama-style decoder layers at model.layers, each x + "
+                            "self_attn(input_layernorm(x)), then h + "
+                            "mlp(post_attention_layernorm(h)), and nothing more (Llama, Qwen2, "
+                            "Qwen3, Mistral; not Gemma2's extra norms, GPT-2 or Phi-3)",
+                    "linears": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                "down_proj"), "layers": True,
+                    "children": ("self_attn", "mlp", "input_layernorm",
+                                 "post_attention_layernorm")},
     "lora": {"text": "projections peft's LoRA can wrap (q/k/v/o, gate/up/down, or GPT-2's "
                      "c_attn/c_proj/c_fc)", "linears": (),
              "any_of": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -75,12 +91,28 @@ NOTEBOOK_NEEDS = {
     "10-hestia": {"model": ("lm", "decoder", 3)},
     "11-haps": {"candidate_models": ("lm", "haps", 2)},
     "13-frechet-merging": {"model": ("lm", "lora", 3)},
-    "14-gsq": {"model": ("lm", "decoder", 3)},
+    "14-gsq": {"model": ("lm", "llama_layer", 3)},
     "15-fewshot-clip-optimizers": {"clip_model": ("clip", "clip", 2)},
     "16-fura": {"model": ("lm", "qkvo", 8)},
     "18-loss-signature-curation": {"model": ("lm", "qkvo", 3), "teacher_model": ("lm", "lm", 1)},
     "19-nbdiff": {"model": ("lm", "lm", 4)},
 }
+
+# what a notebook's kernel needs of a checkpoint's shapes and files beyond its modules, checked
+# by :func:`fit` on the model built from the config (meta device) before a kernel starts:
+# "group_size": (step, largest) of the group sizes the notebook allows; each must divide every
+# block linear's in-features (the SIZES row gives the default); "vq_bits": the widths of 14's
+# GPTVQ frontier, whose 2-D fp16 codebooks must fit the scalar grid's bits per weight;
+# "gguf": (mode, what the file is for): "claim" refuses a model the GGUF export cannot write,
+# "optional" warns that the notebook will skip the step
+SHAPES = {
+    "02-lqzo": {"group_size": (1, None)},
+    "10-hestia": {"gguf": ("optional", "its llama.cpp file of the ternary model")},
+    "14-gsq": {"group_size": (32, 2048), "vq_bits": (2, 3),
+               "gguf": ("claim", "C4 compares two llama.cpp GGUF files of the model")},
+}
+FIT_KNOBS = ("group_size",)          # the parameters :func:`fit` reads besides the models
+VQ_DIM, CODEBOOK_BITS = 2, 16        # 14's GPTVQ: 2-D vectors, fp16 codebook entries
 
 
 # parameters renamed to one model parameter convention: old name -> new name
@@ -217,15 +249,21 @@ def bos_warning(value, param: str = "model") -> str | None:
             f"another)")
 
 
+_META: dict = {}
+
+
 def _meta_model(d: Path, kind: str):
-    """The model built from ``d``'s config on the meta device (no weights read)."""
+    """The model built from ``d``'s config on the meta device (no weights read), memoised by
+    path and the config's modification time (:func:`validate` and :func:`fit` share it)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, CLIPModel
-    cfg = AutoConfig.from_pretrained(d, local_files_only=True)
-    with torch.device("meta"):
-        if kind == "clip":
-            return CLIPModel(cfg)
-        return AutoModelForCausalLM.from_config(cfg)
+    key = (str(d), kind, (d / "config.json").stat().st_mtime_ns)
+    if key not in _META:
+        cfg = AutoConfig.from_pretrained(d, local_files_only=True)
+        with torch.device("meta"):
+            _META[key] = CLIPModel(cfg) if kind == "clip" else \
+                AutoModelForCausalLM.from_config(cfg)
+    return _META[key]
 
 
 def _missing(model, need: str) -> list[str]:
@@ -243,6 +281,17 @@ def _missing(model, need: str) -> list[str]:
     if req.get("layers") and not hasattr(getattr(model, "model", None), "layers"):
         missing.append("model.layers")
     return missing
+
+
+def _extra(model, need: str) -> list[str]:
+    """The modules of ``model``'s decoder layers beyond those requirement ``need`` allows (its
+    ``children``), in the order of the first layer; empty when it allows any."""
+    allowed = REQUIREMENTS[need].get("children")
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if allowed is None or layers is None:
+        return []
+    return list(dict.fromkeys(n for layer in layers for n, _ in layer.named_children()
+                              if n not in allowed))
 
 
 def device_bytes(device: str | None = None) -> tuple[str, int | None]:
@@ -329,6 +378,13 @@ def validate(value, param: str = "model", kind: str = "lm", need: str = "lm",
         raise CheckpointError(f"{at}{param} = {value!r}: this method needs "
                               f"{REQUIREMENTS[need]['text']}; {arch} has no "
                               f"{', '.join(missing)}; choose a model with them")
+    extra = _extra(est["model"], need)
+    if extra:
+        arch = ", ".join(est["model"].config.architectures or [type(est["model"]).__name__])
+        raise CheckpointError(f"{at}{param} = {value!r}: this method needs "
+                              f"{REQUIREMENTS[need]['text']}; the decoder layers of {arch} also "
+                              f"hold {', '.join(extra)}, which it would leave out; choose a "
+                              "model without them")
     what, avail = device_bytes(device)
     want = est["bytes"] * max(1, copies)
     if avail is not None and want > HEADROOM * avail:
@@ -355,11 +411,142 @@ def absolute(slug: str, name: str, value):
     return ",".join(str(_dir(v)) if is_checkpoint(v) else v for v in _split(value))
 
 
-def validate_params(slug: str, params: dict, device: str | None = None) -> list[str]:
+def validate_params(slug: str, params: dict, device: str | None = None,
+                    scale: str | None = None) -> list[str]:
     """:func:`validate` every model parameter of notebook ``slug`` in ``params`` (a
-    comma-separated list for 11's ``candidate_models``); the warnings."""
+    comma-separated list for 11's ``candidate_models``) and, given the run's ``scale``, :func:`fit`
+    them to its knobs; the warnings."""
     warnings = []
     for name, (kind, need, copies) in NOTEBOOK_NEEDS.get(slug, {}).items():
         for v in _split(params.get(name)):
             warnings += validate(v, name, kind, need, copies, device, where=slug)
+    if scale is not None:
+        warnings += fit(slug, params, scale)
+    return warnings
+
+
+# -- shapes and files a kernel needs (SHAPES) ---------------------------------------------------
+
+def _block_linears(model) -> dict[str, tuple[int, int]]:
+    """``name -> (out, in)`` of the ``nn.Linear`` layers inside the transformer blocks, the ones
+    the quantizers replace (``quant.block_linears``)."""
+    import torch.nn as nn
+    return {n: tuple(m.weight.shape) for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and (".layers." in n or n.startswith("layers."))}
+
+
+def fitting_group_sizes(cols, step: int = 1, largest: int | None = None) -> list[int]:
+    """The group sizes, multiples of ``step`` up to ``largest``, that divide every in-features
+    count in ``cols``."""
+    top = min(cols) if largest is None else min(min(cols), largest)
+    return [g for g in range(step, top + 1, step) if all(c % g == 0 for c in cols)]
+
+
+def vq_least_rows(bits: int, group_size: int) -> int:
+    """The fewest rows a codebook block of 14's GPTVQ needs (:data:`VQ_DIM`-D vectors, fp16
+    entries, ``group_size`` columns) to stay within the scalar grid's bits per weight,
+    ``bits + 16 / group_size``: a layer with fewer out-features has no block that fits
+    (``quant.rows_for_budget`` raises)."""
+    from ..quant.grid import bits_per_weight
+    from ..quant.vq import vq_bits_per_weight
+    budget = bits_per_weight(bits, group_size)
+    r = 1
+    while vq_bits_per_weight(bits, VQ_DIM, r * group_size, CODEBOOK_BITS) > budget + 1e-12:
+        r += 1
+    return r
+
+
+def _either(values) -> str:
+    values = [str(v) for v in values]
+    return values[0] if len(values) == 1 else f"{', '.join(values[:-1])} or {values[-1]}"
+
+
+def _first(bad: list, what: str) -> str:
+    """``name has n <what>``, of the first offending layer, and how many more there are."""
+    (name, n), more = bad[0], len(bad) - 1
+    return f"{name} has {n} {what}" + (f" (and {more} more layer{'s' * (more > 1)})"
+                                         if more else "")
+
+
+def _default_size(slug: str, scale: str, name: str):
+    """Size ``name`` of notebook ``slug``'s SIZES row at ``scale`` (the notebook's default)."""
+    from ..notebooks import notebooks_dir, sizes_table
+    return sizes_table(notebooks_dir() / f"{slug}.ipynb")[scale][name]
+
+
+def _gguf_problem(d: Path, config) -> str | None:
+    """Why the GGUF export cannot write this checkpoint (its architecture, its tokenizer)."""
+    from ..quant import gguf
+    why = gguf.unsupported(config)
+    if why is not None:
+        return why
+    f = d / "tokenizer.json"
+    if not f.exists():
+        return f"GGUF export writes a byte-level BPE tokenizer.json, and {d} has none"
+    return gguf.unsupported(config, json.loads(f.read_text()))
+
+
+def _fit_one(slug: str, param: str, value, needs: dict, params: dict, scale: str) -> list[str]:
+    """:func:`fit` of one checkpoint: what the user cannot change first (the model's own shapes
+    and files), then the knobs."""
+    from ..quant.grid import bits_per_weight
+    at = f"{slug}: {param} = {value!r}: "
+    d = _dir(value)
+    model = _meta_model(d, "lm")
+    linears = _block_linears(model)
+    warnings = []
+    g = None
+    if "group_size" in needs and linears:
+        given = params.get("group_size")
+        g = int(given or _default_size(slug, scale, "group_size"))
+    for bits in needs.get("vq_bits", ()) if g else ():
+        least = vq_least_rows(bits, g)
+        short = [(n, o) for n, (o, _) in linears.items() if o < least]
+        if short:
+            raise CheckpointError(
+                f"{at}GPTVQ's {bits}-bit frontier ({VQ_DIM}-D codebooks of "
+                f"{2 ** (bits * VQ_DIM)} fp16 entries at the scalar grid's "
+                f"{bits_per_weight(bits, g):g} bits per weight) needs codebook blocks of at least "
+                f"{least} rows, and {_first(short, 'out-features')}; no group_size changes that: "
+                f"choose a model whose block linears all have at least {least} out-features")
+    if "gguf" in needs:
+        mode, what = needs["gguf"]
+        why = _gguf_problem(d, model.config)
+        if why and mode == "claim":
+            raise CheckpointError(f"{at}{what}, and {why}; choose a Llama, Mistral or Qwen2 "
+                                  "model with a byte-level BPE tokenizer")
+        if why:
+            warnings.append(f"{param}: {why}; the notebook skips {what} (gguf_skipped in its "
+                            "metrics)")
+    if g:
+        step, largest = needs["group_size"]
+        what = f"group_size = {g}" if params.get("group_size") else \
+            f"group_size {g} (the {scale} default)"
+        cols = sorted({c for _, c in linears.values()})
+        bad = [(n, c) for n, (_, c) in linears.items() if c % g]
+        if bad:
+            fits = fitting_group_sizes(cols, step, largest)
+            todo = (f"pass -p group_size {_either(fits)}, which divide every block linear's "
+                    "in-features" if fits else
+                    f"no multiple of {step} divides every block linear's in-features "
+                    f"({', '.join(map(str, cols))}); choose a model whose in-features are "
+                    f"multiples of {step}")
+            raise CheckpointError(f"{at}{what} does not divide the in-features: "
+                                  f"{_first(bad, 'in-features')}; {todo}")
+    return warnings
+
+
+def fit(slug: str, params: dict, scale: str) -> list[str]:
+    """Refuse (:class:`CheckpointError`, naming the parameter and what to do) a checkpoint whose
+    shapes or files notebook ``slug``'s kernel would fail on at ``scale`` with the knobs in
+    ``params`` (:data:`SHAPES`; a knob left out or None takes its SIZES default); return the
+    warnings (an optional step the notebook will skip). A zoo model fits its notebooks."""
+    needs = SHAPES.get(slug)
+    if not needs:
+        return []
+    warnings = []
+    for name, (kind, _, _) in NOTEBOOK_NEEDS.get(slug, {}).items():
+        for v in _split(params.get(name)):
+            if kind == "lm" and v is not None and is_checkpoint(v):
+                warnings += _fit_one(slug, name, v, needs, params, scale)
     return warnings

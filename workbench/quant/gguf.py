@@ -43,7 +43,7 @@ __all__ = ["ARCHS", "FLOAT_TYPES", "GGUF_WRITABLE", "LEVEL_RANGE", "QK_K", "add_
            "llama_permute_rows", "load_transformers", "logits_perplexity", "pack_q3_k",
            "pack_q4_0", "pack_q8_0", "pack_tq1_0", "pack_tq2_0", "q3_k_params", "q4_0_codes",
            "q4_0_quantized", "read_gguf", "stored_weight", "tensor_types", "tokenizer_pre",
-           "unpack_q4_0", "write_gguf"]
+           "unpack_q4_0", "unsupported", "write_gguf"]
 
 # -- GGUF -------------------------------------------------------------------------------------
 
@@ -389,7 +389,12 @@ def tokenizer_pre(tokenizer) -> str:
     byte-level BPE is ``gpt-2``. Anything else raises: a wrong pre-type would tokenize differently
     without a word.
     """
-    pre = json.loads(tokenizer.backend_tokenizer.to_str()).get("pre_tokenizer") or {}
+    return _pre_type(json.loads(tokenizer.backend_tokenizer.to_str()))
+
+
+def _pre_type(spec: dict) -> str:
+    """:func:`tokenizer_pre` of a tokenizer's ``tokenizer.json`` content."""
+    pre = spec.get("pre_tokenizer") or {}
     parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
     kinds = [(p.get("type"), p.get("individual_digits"), p.get("use_regex")) for p in parts]
     if kinds == [("Digits", True, None), ("ByteLevel", None, True)]:
@@ -397,6 +402,31 @@ def tokenizer_pre(tokenizer) -> str:
     if kinds == [("ByteLevel", None, True)]:
         return "gpt-2"
     raise ValueError(f"no llama.cpp pre-tokenizer is known for {pre}; pass tokenizer_pre=")
+
+
+def unsupported(config, tokenizer=None) -> str | None:
+    """Why :func:`export_model_gguf` cannot write a model of ``config`` with ``tokenizer`` (a fast
+    tokenizer, or its ``tokenizer.json`` content as a dict), or None when it can: an architecture
+    outside :data:`ARCHS`, or a tokenizer that is not a byte-level BPE with a known llama.cpp
+    pre-tokenizer. Nothing is written or loaded; the notebooks ask before they train."""
+    mt = getattr(config, "model_type", None)
+    if mt not in ARCHS:
+        return f"GGUF export knows the architectures {sorted(ARCHS)}, not {mt!r}"
+    if tokenizer is None:
+        return None
+    spec = tokenizer if isinstance(tokenizer, dict) else json.loads(
+        tokenizer.backend_tokenizer.to_str())
+    kind = (spec.get("model") or {}).get("type")
+    if kind != "BPE":
+        return f"GGUF export writes byte-level BPE tokenizers, not {kind}"
+    try:
+        _pre_type(spec)
+    except ValueError:
+        pre = spec.get("pre_tokenizer") or {}
+        parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+        return ("GGUF export knows the pre-tokenizers of the zoo's byte-level BPE and GPT-2's, "
+                f"not {' + '.join(str(q.get('type')) for q in parts) or 'none'}")
+    return None
 
 
 def add_tokenizer(writer, tokenizer, vocab_size: int, pre: str | None = None) -> None:

@@ -97,7 +97,7 @@ def mahalanobis_init(x: torch.Tensor, k: int) -> torch.Tensor:
     lam = torch.linalg.pinv(sigma)
     dist = ((xc @ lam) * xc).sum(-1)                                     # (G, N)
     order = torch.argsort(dist, dim=1)
-    pick = torch.round(torch.linspace(0, x.shape[1] - 1, k)).long()
+    pick = torch.round(torch.linspace(0, x.shape[1] - 1, k, device=x.device)).long()
     idx = order[:, pick].unsqueeze(-1).expand(-1, -1, x.shape[2])
     return torch.gather(x, 1, idx).clone()
 
