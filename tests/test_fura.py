@@ -165,3 +165,29 @@ def test_o_proj_blocks_follow_the_heads_as_the_reference_script():
     assert fura.head_block_count("model.layers.0.self_attn.q_proj", 128, 4) == 8
     with pytest.raises(ValueError):
         fura.head_block_count("o_proj", 130, 4)
+
+
+def test_the_default_layout_is_the_reference_scripts():
+    """FuRA-NIPS trains with ``--blocktt_factorize_by_head`` on by default
+    (``commonsense/src/finetune_blocktt.py``, ``qfura_commonsense/src/finetune_qfura.py``), so
+    ``convert_linear_to_btt`` (``fura/btt_layer.py``) cuts o_proj's input by head: apply_fura's
+    default does too, and refuses a model whose head count it cannot read rather than falling
+    back to the closest pair."""
+    class Block(nn.Module):
+        def __init__(self, heads):
+            super().__init__()
+            if heads:
+                from types import SimpleNamespace
+                self.config = SimpleNamespace(num_attention_heads=heads)
+            self.o_proj = nn.Linear(128, 128, bias=False)
+            self.up_proj = nn.Linear(128, 384, bias=False)
+
+    m = Block(4)
+    fura.apply_fura(m, ("o_proj", "up_proj"))
+    assert (m.o_proj.n, m.o_proj.b) == (4, 32) and (m.up_proj.n, m.up_proj.b) == (8, 16)
+    with pytest.raises(ValueError, match="num_attention_heads.*by_head=False"):
+        fura.apply_fura(Block(None), ("o_proj",))
+    m = Block(None)
+    fura.apply_fura(m, ("o_proj", "up_proj"), by_head=False)       # asked for: the closest pair
+    assert (m.o_proj.n, m.o_proj.b) == (8, 16)
+    fura.apply_fura(Block(None), ("up_proj",))                      # no o_proj: no heads needed

@@ -48,7 +48,7 @@ LR = {"lora": "lr_adapter", "dora": "lr_adapter", "qlora": "lr_adapter", "full":
 
 
 def prepare(model: nn.Module, method: str, rank: int = 8, lora_scale: float = 2.0,
-            seed: int = 0, bits: int = 4, group_size: int = 32, by_head: bool = False) -> nn.Module:
+            seed: int = 0, bits: int = 4, group_size: int = 32, by_head: bool = True) -> nn.Module:
     """``model`` (changed in place, or wrapped by peft) ready to fine-tune with ``method``:
     ``lora``/``dora`` (peft, :func:`workbench.models.finetune.lora_model`), ``full`` (every weight
     of the projections), ``svd`` (one block: W = U S V^T, U frozen), ``fura`` (the block
@@ -203,6 +203,7 @@ def cached_finetune(base: str, zoo_scale: str, method: str, pairs, settings: dic
 
     def fresh():
         m, _ = zoo.load(base, zoo_scale, device=device)
+        # settings without by_head (a key without it) name the closest-pair layout
         return prepare(m, method, s["rank"], s["lora_scale"], s["seed"], s["bits"], s["group_size"],
                        s.get("by_head", False))
 
@@ -307,7 +308,7 @@ def trajectories(info: dict) -> pd.DataFrame:
 # -- section 3: where the updates go ----------------------------------------------------------------
 
 def update(model0: nn.Module, tuned: nn.Module, method: str, names,
-           by_head: bool = False) -> dict[str, torch.Tensor]:
+           by_head: bool = True) -> dict[str, torch.Tensor]:
     """Tuned minus initial dense weight of every projection in ``names`` (peft prefixes the
     names). The initial weight is the method's own at step 0: W for the adapters and Full FT,
     L S R as stored in float32 for FuRA and ``svd``, so the difference is the update and not the
@@ -442,7 +443,7 @@ def core_within_bound(model: nn.Module, W0: dict) -> bool:
 
 
 def qfura_init_error(model0: nn.Module, W0: dict, bits: int, group_size: int,
-                     by_head: bool = False) -> dict:
+                     by_head: bool = True) -> dict:
     """Per layer: the relative error of deq(L) S R against W at init (``by_head``:
     :func:`prepare`)."""
     q_init = prepare(copy.deepcopy(model0), "qfura", bits=bits, group_size=group_size,

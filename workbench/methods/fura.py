@@ -33,7 +33,7 @@ head_dim)``. The training scripts turn that on by default (``--blocktt_factorize
 ``qfura_commonsense/src/finetune_qfura.py``). In that function q/k/v get a head-wise *output*
 factorization too, which the ``output_one_block`` layout ignores (one output block), so only
 ``o_proj`` changes. :func:`head_block_count` is that rule; ``apply_fura(..., by_head=True)``
-follows the script, ``by_head=False`` keeps the closest pair everywhere (at ``lm-base``'s width
+follows the script and is the default, ``by_head=False`` keeps the closest pair everywhere (at ``lm-base``'s width
 128 with 4 heads: ``o_proj`` in (4, 32) blocks by head, (8, 16) by the closest pair). The baselines, the cached
 fine-tunes and the cost measurement of notebook 16 live in :mod:`workbench.experiments.fura`.
 """
@@ -65,8 +65,14 @@ def head_block_count(name: str, cols: int, num_heads: int | None, by_head: bool 
     """The column-block count of the projection ``name`` with ``cols`` in-features: the number of
     attention heads for ``o_proj`` when ``by_head`` (the reference's ``factorize_by_head`` in
     ``convert_linear_to_btt``, ``fura/btt_layer.py``: input factorization ``(num_heads,
-    head_dim)``), else the closest factor pair's ``n``."""
-    if by_head and num_heads and name.split(".")[-1] in HEAD_SPLIT:
+    head_dim)``), else the closest factor pair's ``n``. A head count that cannot be read is
+    refused, not replaced by the closest pair: the layer would silently differ from the
+    reference's."""
+    if by_head and name.split(".")[-1] in HEAD_SPLIT:
+        if not num_heads:
+            raise ValueError(f"{name}: the reference cuts o_proj by attention head, and this "
+                             "model's config has no num_attention_heads; pass by_head=False for "
+                             "the closest factor pair")
         if cols % num_heads:
             raise ValueError(f"{name}: {cols} in-features do not split into {num_heads} heads")
         return num_heads
@@ -182,13 +188,13 @@ def target_linears(model: nn.Module, targets) -> list[str]:
 
 def apply_fura(model: nn.Module, targets, blocks: int | None = None,
                core_bits: int | None = None, group_size: int = 32,
-               by_head: bool = False) -> list[str]:
+               by_head: bool = True) -> list[str]:
     """Replace every target linear of ``model`` in place by a :class:`FuraLinear` and freeze
     everything but the ``S`` and ``R`` cores. ``blocks``: column blocks per layer (None: the
-    closest factor pair, and with ``by_head`` one block per attention head for ``o_proj``, as
-    the reference's training scripts, :func:`head_block_count`, heads read from
-    ``model.config.num_attention_heads``; 1: the full-SVD, frozen-U variant). Returns the
-    replaced names."""
+    closest factor pair, and with ``by_head``, the default as in the reference's training
+    scripts, one block per attention head for ``o_proj`` (:func:`head_block_count`, heads read
+    from ``model.config.num_attention_heads``, refused when absent); 1: the full-SVD, frozen-U
+    variant). Returns the replaced names."""
     for p in model.parameters():
         p.requires_grad_(False)
     heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
