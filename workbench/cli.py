@@ -156,6 +156,7 @@ def cmd_run(args) -> int:
               f"{min(n_jobs, len(jobs))} at a time, timeout {args.timeout:g} s each -> {where}")
         for j in jobs:
             print(f"  {batch.job_label(j):<50} {Path(j.out).relative_to(Path(base).resolve())}")
+        _print_estimates(jobs)
         return 0
     client = None
     if executor == "dask":      # connect before anything runs: a bad address is bad input
@@ -237,6 +238,35 @@ def cmd_plan(args) -> int:
             print(f"  {ph['what']:<40} {ph['flops']:9.2e} FLOPs  {plan.duration(ph['s']):>9}")
     print(f"assumed: {plan.assumptions()}")
     return 0
+
+
+def _print_estimates(jobs) -> None:
+    """What each distinct job of a dry run would cost (``workbench plan``'s model: FLOPs, peak
+    memory, one H100, and this CPU at the measured one-thread rate); a job the cost model cannot
+    read says why, and the dry run goes on."""
+    from . import plan
+    rate = None
+    seen = set()
+    for j in jobs:
+        what = (j.slug, j.scale, tuple(sorted((k, str(v)) for k, v in j.params.items())))
+        if what in seen:
+            continue
+        seen.add(what)
+        try:
+            est = plan.estimate(j.slug, Path(j.path), j.scale, dict(j.params))
+            rate = rate or plan.cpu_rate()
+        except (LookupError, ValueError, OSError, TypeError) as e:
+            print(f"  estimate of {j.slug} ({j.scale}): none ({e})")
+            continue
+        params = ", ".join(f"{k}={v}" for k, v in j.params.items())
+        print(f"  estimate of {j.slug} ({j.scale}{', ' + params if params else ''}), per seed: "
+              f"{est.flops:.2e} FLOPs, peak {est.peak_bytes / 2**30:.2f} GiB; about "
+              f"{plan.duration(est.seconds)} on one H100, at least "
+              f"{plan.duration(est.cpu_seconds(rate[0]))} on one CPU thread"
+              + (f"; zoo builds first: {plan.duration(est.build_seconds)} on an H100"
+                 if est.build_seconds else ""))
+    if rate:
+        print(f"  (estimates, not measurements: the CPU at {rate[1]}; `workbench plan` says more)")
 
 
 def cmd_report(args) -> int:

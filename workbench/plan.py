@@ -79,6 +79,11 @@ class Estimate:
     def peak_bytes(self) -> float:
         return max([p.peak_bytes for p in self.phases] or [0.0])
 
+    def cpu_seconds(self, rate: float) -> float:
+        """The notebook's own FLOPs at ``rate`` FLOP/s (:func:`cpu_rate`: one thread, as a run
+        uses): a lower bound, since fixed per-step costs come on top on a small model."""
+        return self.flops / rate
+
     def row(self) -> dict:
         return {"notebook": self.slug, "scale": self.scale, "flops": self.flops,
                 "peak_gib": self.peak_bytes / 2**30, "h100_s": self.seconds,
@@ -120,10 +125,54 @@ class Shape:
 
 
 def zoo_shape(name: str, scale: str) -> Shape:
-    """The shape of zoo recipe ``name`` at ``scale`` (a recipe the zoo knows)."""
+    """The shape of zoo recipe ``name`` at ``scale`` (a recipe the zoo knows), or of a local
+    checkpoint folder ``name`` (:func:`checkpoint_shape`; its own size at every scale)."""
+    if (Path(str(name)) / "config.json").is_file():
+        return checkpoint_shape(Path(str(name)))
     from .models.recipes import recipe      # no torch: recipes imports data.tasks and cache only
     s = recipe(name).size(scale)
     return Shape(name, s.n_layers, s.d_model, s.d_ff, s.vocab, s.ctx)
+
+
+# config.json names of a Shape's fields: Llama/Qwen/Mistral/Gemma first, then GPT-2's
+_CONFIG = {"n_layers": ("num_hidden_layers", "n_layer"), "d_model": ("hidden_size", "n_embd"),
+           "d_ff": ("intermediate_size", "n_inner"), "vocab": ("vocab_size",),
+           "ctx": ("max_position_embeddings", "n_positions")}
+
+
+def checkpoint_shape(folder: Path) -> Shape:
+    """A local checkpoint's shape from its ``config.json`` (read as JSON: no transformers), for
+    the cost model: layers, width, MLP width (GPT-2's default 4 x width when unset), vocabulary
+    and context."""
+    import json
+    cfg = json.loads((folder / "config.json").read_text())
+    got = {f: next((cfg[k] for k in keys if cfg.get(k)), None) for f, keys in _CONFIG.items()}
+    if got["d_ff"] is None and got["d_model"]:
+        got["d_ff"] = 4 * got["d_model"]
+    missing = [f for f, v in got.items() if not v]
+    if missing:
+        raise ValueError(f"{folder}/config.json gives no {', '.join(missing)} "
+                         f"(looked for {', '.join(k for f in missing for k in _CONFIG[f])}): "
+                         "no cost estimate for it")
+    return Shape(folder.name, got["n_layers"], got["d_model"], got["d_ff"], got["vocab"],
+                 got["ctx"])
+
+
+CPU_RATE_FROM = "lm-base"     # the shipped build whose measured time calibrates the CPU rate
+
+
+def cpu_rate() -> tuple[float, str]:
+    """(FLOP/s, where from) of one CPU thread, measured rather than assumed: the FLOPs of the
+    shipped ``lm-base`` build (:func:`zoo_build`, a training run that matmuls dominate) over the
+    build seconds its card reports (one thread of the machine that built the shipped zoo)."""
+    import json
+    from . import cache
+    from .models.recipes import recipe
+    folder = cache.shipped_root() / f"{CPU_RATE_FROM}-smoke-{recipe(CPU_RATE_FROM).key('smoke')}"
+    card = json.loads((folder / "card.json").read_text())
+    rate = zoo_build(CPU_RATE_FROM, "smoke").flops / card["build_seconds"]
+    return rate, (f"{rate / 1e9:.0f} GFLOP/s, one thread, from the shipped {CPU_RATE_FROM} "
+                  f"build ({card['build_seconds']:.0f} s)")
 
 
 def zoo_build(name: str, scale: str) -> Cost:
