@@ -513,8 +513,8 @@ def _fit_one(slug: str, param: str, value, needs: dict, params: dict, scale: str
         mode, what = needs["gguf"]
         why = _gguf_problem(d, model.config)
         if why and mode == "claim":
-            raise CheckpointError(f"{at}{what}, and {why}; choose a Llama, Mistral or Qwen2 "
-                                  "model with a byte-level BPE tokenizer")
+            raise CheckpointError(f"{at}{what}, and {why}; choose a Llama, Mistral, Qwen2 or "
+                                  "Qwen3 model with a byte-level BPE tokenizer")
         if why:
             warnings.append(f"{param}: {why}; the notebook skips {what} (gguf_skipped in its "
                             "metrics)")

@@ -1,11 +1,12 @@
 """GGUF files that llama.cpp and transformers load, through the ``gguf`` package (ggml-org/llama.cpp
 ``gguf-py``).
 
-:func:`export_model_gguf` writes a ``transformers`` Llama, Qwen2 or GPT-2 causal LM the way
-llama.cpp's ``convert_hf_to_gguf.py`` does: tensor names from ``gguf.get_tensor_name_map``
-(``token_embd``, ``blk.N.attn_q``, ``output_norm``, ...), Llama's q/k rows permuted to GGML's rotary
-layout, the ``general.*`` and ``<arch>.*`` hyper-parameters, and the tokenizer as a ``gpt2``
-(byte-level BPE) vocabulary with merges and special ids. Block weights are written in the asked
+:func:`export_model_gguf` writes a ``transformers`` Llama, Qwen2, Qwen3 or GPT-2 causal LM the
+way llama.cpp's ``convert_hf_to_gguf.py`` does: tensor names from ``gguf.get_tensor_name_map``
+(``token_embd``, ``blk.N.attn_q``, ``blk.N.attn_q_norm``, ``output_norm``, ...), Llama's q/k rows
+permuted to GGML's rotary layout (Qwen2 and Qwen3 rotate halves, as HF does, and are not), the
+``general.*`` and ``<arch>.*`` hyper-parameters, and the tokenizer as a ``gpt2`` (byte-level BPE)
+vocabulary with merges and special ids. Block weights are written in the asked
 type: the project's own integer codes (RTN, GPTQ, GSQ, a :class:`QuantLinear`, ternary levels)
 are packed bit-exactly into Q4_0 / Q8_0 / TQ1_0 / TQ2_0 blocks when the grid fits
 (:func:`block_codes`), float weights go through gguf-py's quantizer; a row that a block size does
@@ -356,12 +357,15 @@ def stored_weight(q: Quantized, qtype: str) -> torch.Tensor:
 # -- a transformers causal LM as a llama.cpp GGUF file --------------------------------------------
 
 # model_type -> gguf.MODEL_ARCH; Mistral is written as Llama, as llama.cpp's converter does (the
-# same tensors; its sliding window is not carried, which only matters past the window)
-ARCHS = {"llama": "LLAMA", "qwen2": "QWEN2", "gpt2": "GPT2", "mistral": "LLAMA"}
+# same tensors; its sliding window is not carried, which only matters past the window). Qwen3 is
+# Qwen2 without q/k/v biases and with per-head RMSNorm weights on q and k (``attn_q_norm``,
+# ``attn_k_norm``, head_dim long, F32 like every norm)
+ARCHS = {"llama": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "gpt2": "GPT2",
+         "mistral": "LLAMA"}
 
 
 def gguf_arch(config):
-    """``gguf.MODEL_ARCH`` of a ``transformers`` config (Llama, Qwen2 or GPT-2)."""
+    """``gguf.MODEL_ARCH`` of a ``transformers`` config (Llama, Qwen2, Qwen3 or GPT-2)."""
     mt = getattr(config, "model_type", None)
     if mt not in ARCHS:
         raise ValueError(f"GGUF export knows the architectures {sorted(ARCHS)}, not {mt!r}")
@@ -477,6 +481,9 @@ def _add_hparams(writer, config, arch) -> None:
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_rope_freq_base(_rope_theta(config))
     writer.add_rope_dimension_count(head_dim)
+    # llama.cpp takes head_dim as hidden / heads unless these say otherwise (Qwen3's often does)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
 
 
@@ -533,8 +540,8 @@ def export_model_gguf(model: nn.Module, path: str | Path, qtype: str = "Q4_0", t
                       codes: dict | None = None, quantize: list[str] | None = None,
                       name: str | None = None, metadata: dict | None = None,
                       tokenizer_pre: str | None = None) -> Path:
-    """Write a ``transformers`` Llama / Qwen2 / GPT-2 causal LM as a GGUF file that llama.cpp
-    and ``transformers`` (``gguf_file=``) load.
+    """Write a ``transformers`` Llama / Qwen2 / Qwen3 / GPT-2 causal LM as a GGUF file that
+    llama.cpp and ``transformers`` (``gguf_file=``) load.
 
     Which tensors are ``qtype``: the weights named in ``quantize`` (parameter names such as
     ``model.layers.0.self_attn.q_proj.weight``), by default every 2-D weight inside the
@@ -682,6 +689,12 @@ def load_transformers(path: str | Path, dtype=torch.float32, config=None):
             if parsed.model_type != "llama":
                 config = LlamaConfig(**{k: v for k, v in parsed.to_dict().items()
                                         if k != "model_type"})
+        elif meta.get("general.architecture") == "qwen3" and "qwen3.attention.key_length" in meta:
+            # its Qwen3 mapping skips key_length: a head_dim other than hidden / heads is set here
+            parsed = AutoConfig.from_pretrained(str(p.parent), **kw)
+            if parsed.head_dim != int(meta["qwen3.attention.key_length"]):
+                parsed.head_dim = int(meta["qwen3.attention.key_length"])
+                config = parsed
     if config is not None:
         kw["config"] = config
     model = AutoModelForCausalLM.from_pretrained(str(p.parent), dtype=dtype, **kw)
