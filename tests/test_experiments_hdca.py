@@ -145,7 +145,7 @@ def test_compare_methods_is_deterministic_and_fills_the_ablation(variant):
     # LwF and sequential fine-tuning reach these losses along different code (LwF adds a zero
     # distillation term, or none), so a CPU may round them apart in the last float32 bits (about
     # 1e-7 relative); 1e-6 still fails any real difference between the two methods
-    assert lwf[0]["loss"] == pytest.approx(seq[0]["loss"], rel=1e-6)   # no teacher in session 1
+    assert lwf[0]["loss"] == pytest.approx(seq[0]["loss"], rel=1e-6)   # the first task: no teacher
     assert lwf[1]["loss"][0] == pytest.approx(seq[1]["loss"][0], rel=1e-6)  # teacher = student
     assert lwf[1]["loss"][1:] != seq[1]["loss"][1:]                # then the distillation acts
     # the ablation's "none" keeps no compression: its displacement is the raw sum

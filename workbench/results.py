@@ -53,7 +53,12 @@ def notebook_key(nb_path: Path) -> str:
     (``tests/test_house.py`` checks both), and all markdown are left out, so editing prose or an
     explorer keeps the record). An executed copy from a run folder has the key of its source:
     the parameters cell papermill injects is left out too."""
-    nb = json.loads(Path(nb_path).read_text())
+    return text_key(Path(nb_path).read_text())
+
+
+def text_key(text: str) -> str:
+    """:func:`notebook_key` of a notebook's JSON text (one from ``git show``, say)."""
+    nb = json.loads(text)
     skip = {RESULTS_TAG, EXPLORE_TAG, "injected-parameters"}
     code = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"
             and not skip & set(c.get("metadata", {}).get("tags", []))]
@@ -189,14 +194,10 @@ def rekey_full_row(slug: str, before: str) -> bool:
     current for the notebook text ``before`` (its JSON) and the notebook now differs from it only
     in comments, layout and the ``full`` row of ``SIZES``, write today's notebook key into the
     record and return True; otherwise change nothing and return False (record it again)."""
-    import tempfile
     d = load(slug)
     nb_path = project_root() / "notebooks" / f"{slug}.ipynb"
-    with tempfile.TemporaryDirectory() as tmp:
-        old = Path(tmp) / f"{slug}.ipynb"
-        old.write_text(before)
-        if d is None or d["key"]["notebook"] != notebook_key(old):
-            return False
+    if d is None or d["key"]["notebook"] != text_key(before):
+        return False
     if _smoke_code(json.loads(before)) != _smoke_code(json.loads(nb_path.read_text())):
         return False
     d["key"]["notebook"] = notebook_key(nb_path)
@@ -238,13 +239,8 @@ def rekey(slug: str, before: Path, after: Path) -> list[str]:
                              cwd=project_root(), capture_output=True, text=True)
         if old.returncode != 0:
             return [f"{slug} is not in commit {git['commit'][:10]}"]
-        old_nb = Path(b) / f".{slug}.at-commit.ipynb"
-        try:
-            old_nb.write_text(old.stdout)
-            if notebook_key(old_nb) != d["key"]["notebook"]:
-                return [f"the record was not made from commit {git['commit'][:10]}'s notebook"]
-        finally:
-            old_nb.unlink(missing_ok=True)
+        if text_key(old.stdout) != d["key"]["notebook"]:
+            return [f"the record was not made from commit {git['commit'][:10]}'s notebook"]
         if notebook_key(a / f"{slug}.ipynb") != notebook_key(nb_path):
             return [f"{a} did not run today's notebook"]
     moved = compare.compare(before, after, tol=0.0, only=[slug])
