@@ -6,7 +6,7 @@ all stand on.
 (under the device audit, the audit's sentinel, see ``placement.py``); :func:`fast_math` is the
 bf16/TF32 block of the LM training loops. Nothing here imports from the workbench above the
 ground floor, and torch loads only when a function runs (the CLI imports the run, which imports
-this module, without torch).
+this module, without torch). The scales live here too: every layer reads them.
 """
 from __future__ import annotations
 
@@ -16,6 +16,22 @@ import random
 import numpy as np
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
+
+# smoke: CI's mechanics check (at most 90 s on 2 CPU cores); mid: each paper's effect given a fair
+# chance on a reader's laptop (at most 15 minutes a seed on 2 cores); full: one GPU
+SCALES = ("smoke", "mid", "full")
+# mid trains the methods longer on the zoo a laptop has (the shipped smoke models): its room is
+# in the method's own sizes, not in a larger backbone
+ZOO_SCALES = {"smoke": "smoke", "mid": "smoke", "full": "full"}
+
+
+def zoo_scale(scale: str) -> str:
+    """The zoo size (``smoke`` or ``full``) that a run at ``scale`` loads, builds and caches under:
+    ``mid`` runs on the smoke zoo, so a mid run reuses every shipped model, pool and fine-tune."""
+    try:
+        return ZOO_SCALES[scale]
+    except KeyError:
+        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}") from None
 
 
 def seed_everything(seed: int) -> dict:

@@ -259,8 +259,25 @@ def parameters(path: Path) -> dict[str, dict]:
     return out
 
 
+def resolve_sizes(table: dict) -> dict:
+    """``SIZES`` with every row written as another scale's name (``"mid": "smoke"``: mid runs
+    exactly the smoke sizes) replaced by that row. A row naming a scale the table lacks, or
+    another such name, is an error."""
+    out = {}
+    for scale, row in table.items():
+        if isinstance(row, str):
+            target = table.get(row)
+            if not isinstance(target, dict):
+                raise KeyError(f"SIZES row {scale!r} names {row!r}, which is not a row of sizes; "
+                               f"rows: {sorted(k for k, v in table.items() if isinstance(v, dict))}")
+            row = target
+        out[scale] = row
+    return out
+
+
 def sizes_table(path: Path) -> dict:
-    """The notebook's ``SIZES`` literal (the cell that assigns it; literals and ``dict()`` only)."""
+    """The notebook's ``SIZES`` literal (the cell that assigns it; literals and ``dict()`` only),
+    with rows that name another scale resolved (:func:`resolve_sizes`)."""
     nb = json.loads(Path(path).read_text())
     for cell in nb["cells"]:
         src = "".join(cell["source"])
@@ -269,7 +286,7 @@ def sizes_table(path: Path) -> dict:
             for stmt in tree.body:
                 if isinstance(stmt, ast.Assign) and getattr(stmt.targets[0], "id", "") == "SIZES":
                     code = compile(ast.Expression(stmt.value), str(path), "eval")
-                    return eval(code, {"__builtins__": {"dict": dict}})   # literals only
+                    return resolve_sizes(eval(code, {"__builtins__": {"dict": dict}}))  # literals
     raise LookupError(f"{path.name}: no SIZES cell")
 
 

@@ -3,7 +3,8 @@
 ``workbench run NN --seeds 0,1,2 --out DIR`` then ``workbench record DIR`` (:func:`record`)
 writes ``notebooks/results/<slug>.json``: every claim's verdict per seed and every scalar metric's
 mean, std (:func:`workbench.stats.mean_std`, as ``aggregate.csv`` has it) and values, over the
-seeds of the notebook's default smoke run. The file carries a key: a hash of the notebook's code
+seeds of the notebook's default smoke run; a default ``--scale mid`` run is recorded the same way
+in ``notebooks/results/mid/<slug>.json`` (:data:`SCALES`). The file carries a key: a hash of the notebook's code
 cells and the keys of the zoo entries its runs used (each run lists them in ``metrics.json``,
 from ``cache.used``; a record from before runs listed them carries every entry's key). When either
 moves, the file is stale (:func:`stale`), and the test suite says which notebook to run again: a
@@ -29,11 +30,12 @@ from pathlib import Path
 from .env import project_root
 from .stats import mean_std
 
-__all__ = ["SEEDS", "RESULTS_TAG", "EXPLORE_TAG", "results_dir", "path", "notebook_key",
+__all__ = ["SEEDS", "SCALES", "RESULTS_TAG", "EXPLORE_TAG", "results_dir", "path", "notebook_key",
            "zoo_keys", "current_key", "record", "rekey", "load", "stale", "Recorded", "table",
            "show", "render", "say", "findings", "main"]
 
 SEEDS = (0, 1, 2)           # the seeds a recorded result covers
+SCALES = ("smoke", "mid")   # the scales with records (full needs a GPU: its runs stay run folders)
 RESULTS_TAG = "results"     # a code cell tagged so shows recorded results: not part of the key
 EXPLORE_TAG = "explore"     # an explorer after run.finish() (workbench.explore): records nothing
 
@@ -43,8 +45,12 @@ def results_dir() -> Path:
     return project_root() / "notebooks" / "results"
 
 
-def path(slug: str) -> Path:
-    return results_dir() / f"{slug}.json"
+def path(slug: str, scale: str = "smoke") -> Path:
+    """The record of ``slug`` at ``scale``: ``<slug>.json`` at smoke, ``<scale>/<slug>.json``
+    beside it for the others."""
+    if scale not in SCALES:
+        raise ValueError(f"records are kept at {SCALES}, not {scale!r}")
+    return results_dir() / (f"{slug}.json" if scale == "smoke" else f"{scale}/{slug}.json")
 
 
 def notebook_key(nb_path: Path) -> str:
@@ -92,31 +98,33 @@ def _scalar(v) -> bool:
 
 
 def record(run_dir: Path, slugs=None, seeds=SEEDS) -> list[Path]:
-    """Write ``notebooks/results/<slug>.json`` for every notebook in ``run_dir`` whose default
-    smoke run (folder ``smoke``) finished ``ok`` on every seed of ``seeds``; returns the files
-    written. A notebook with a missing or failed seed is left as it was."""
+    """Write the record (:func:`path`) of every notebook and scale in ``run_dir`` whose default
+    run at that scale (folder ``smoke`` or ``mid``) finished ``ok`` on every seed of ``seeds``;
+    returns the files written. A notebook and scale with a missing or failed seed is left as it
+    was."""
     run_dir = Path(run_dir)
     written = []
     for nb_dir in sorted(p for p in run_dir.iterdir() if p.is_dir()):
         slug = nb_dir.name
         if slugs is not None and slug not in slugs:
             continue
-        runs = []
-        for s in seeds:
-            m = nb_dir / "smoke" / f"seed-{s}" / "metrics.json"
-            job = nb_dir / "smoke" / f"seed-{s}" / "job.json"
-            if not m.exists() or (job.exists() and json.loads(job.read_text()).get("status")
-                                  not in ("ok", None)):
-                break
-            runs.append(json.loads(m.read_text()))
-        else:
-            if not (project_root() / "notebooks" / f"{slug}.ipynb").exists():
-                continue
-            written.append(_write(slug, runs, list(seeds)))
+        if not (project_root() / "notebooks" / f"{slug}.ipynb").exists():
+            continue
+        for scale in SCALES:
+            runs = []
+            for s in seeds:
+                m = nb_dir / scale / f"seed-{s}" / "metrics.json"
+                job = nb_dir / scale / f"seed-{s}" / "job.json"
+                if not m.exists() or (job.exists() and json.loads(job.read_text()).get("status")
+                                      not in ("ok", None)):
+                    break
+                runs.append(json.loads(m.read_text()))
+            else:
+                written.append(_write(slug, runs, list(seeds), scale))
     return written
 
 
-def _write(slug: str, runs: list[dict], seeds: list[int]) -> Path:
+def _write(slug: str, runs: list[dict], seeds: list[int], scale: str = "smoke") -> Path:
     claims: dict[str, dict] = {}
     for r in runs:
         for c in r.get("claims", []):
@@ -137,26 +145,27 @@ def _write(slug: str, runs: list[dict], seeds: list[int]) -> Path:
     key = current_key(slug, used)
     if used is not None:
         key["zoo_scope"] = "used"
-    out = {"notebook": slug, "scale": "smoke", "seeds": seeds, "key": key,
+    out = {"notebook": slug, "scale": scale, "seeds": seeds, "key": key,
            "recorded": time.strftime("%Y-%m-%d"),
            "duration_s": [r.get("duration_s") for r in runs],
            "claims": claims, "metrics": metrics}
-    results_dir().mkdir(parents=True, exist_ok=True)
-    p = path(slug)
+    p = path(slug, scale)
+    p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(out, indent=1, default=str) + "\n")
     return p
 
 
-def load(slug: str) -> dict | None:
-    p = path(slug)
+def load(slug: str, scale: str = "smoke") -> dict | None:
+    p = path(slug, scale)
     return json.loads(p.read_text()) if p.exists() else None
 
 
-def stale(slug: str) -> list[str]:
-    """Why the recorded results of ``slug`` no longer describe the notebook ([] when current)."""
-    d = load(slug)
+def stale(slug: str, scale: str = "smoke") -> list[str]:
+    """Why the record of ``slug`` at ``scale`` no longer describes the notebook ([] when
+    current)."""
+    d = load(slug, scale)
     if d is None:
-        return [f"no recorded results ({path(slug)})"]
+        return [f"no recorded results ({path(slug, scale)})"]
     scoped = d["key"].get("zoo_scope") == "used"
     now = current_key(slug, list(d["key"]["zoo"]) if scoped else None)
     why = []
@@ -169,9 +178,10 @@ def stale(slug: str) -> list[str]:
     return why
 
 
-def _smoke_code(nb: dict) -> list[str]:
-    """The keyed code cells as a smoke run reads them: parsed (comments and layout dropped),
-    with the ``full`` row of ``SIZES`` removed."""
+def _scale_code(nb: dict, scale: str) -> list[str]:
+    """The keyed code cells as a run at ``scale`` reads them: parsed (comments and layout
+    dropped), with every row of ``SIZES`` but ``scale``'s (and the row it names, if it names
+    one) removed."""
     import ast
     out = []
     for c in nb["cells"]:
@@ -182,50 +192,55 @@ def _smoke_code(nb: dict) -> list[str]:
         for stmt in tree.body:
             if isinstance(stmt, ast.Assign) and getattr(stmt.targets[0], "id", "") == "SIZES" \
                     and isinstance(stmt.value, ast.Dict):
+                rows = {getattr(k, "value", None): v for k, v in zip(stmt.value.keys, stmt.value.values)}
+                read = {scale}
+                if isinstance(rows.get(scale), ast.Constant):       # "mid": "smoke"
+                    read.add(rows[scale].value)
                 keep = [(k, v) for k, v in zip(stmt.value.keys, stmt.value.values)
-                        if not (isinstance(k, ast.Constant) and k.value == "full")]
+                        if not isinstance(k, ast.Constant) or k.value in read]
                 stmt.value.keys, stmt.value.values = [k for k, _ in keep], [v for _, v in keep]
         out.append(ast.dump(tree))
     return out
 
 
-def rekey_full_row(slug: str, before: str) -> bool:
-    """Carry a current record over an edit that a smoke run cannot see: when the record was
-    current for the notebook text ``before`` (its JSON) and the notebook now differs from it only
-    in comments, layout and the ``full`` row of ``SIZES``, write today's notebook key into the
-    record and return True; otherwise change nothing and return False (record it again)."""
-    d = load(slug)
+def rekey_rows(slug: str, before: str, scale: str = "smoke") -> bool:
+    """Carry a current record over an edit that a run at its scale cannot see: when the record
+    of ``slug`` at ``scale`` was current for the notebook text ``before`` (its JSON) and the
+    notebook now differs from it only in comments, layout and the other scales' rows of
+    ``SIZES``, write today's notebook key into the record and return True; otherwise change
+    nothing and return False (record it again)."""
+    d = load(slug, scale)
     nb_path = project_root() / "notebooks" / f"{slug}.ipynb"
     if d is None or d["key"]["notebook"] != text_key(before):
         return False
-    if _smoke_code(json.loads(before)) != _smoke_code(json.loads(nb_path.read_text())):
+    if _scale_code(json.loads(before), scale) != _scale_code(json.loads(nb_path.read_text()), scale):
         return False
     d["key"]["notebook"] = notebook_key(nb_path)
-    path(slug).write_text(json.dumps(d, indent=1) + "\n")
+    path(slug, scale).write_text(json.dumps(d, indent=1) + "\n")
     return True
 
 
-def rekey(slug: str, before: Path, after: Path) -> list[str]:
+def rekey(slug: str, before: Path, after: Path, scale: str = "smoke") -> list[str]:
     """Carry ``slug``'s record over a change of its code that moves no number. ``before`` is a
     run folder of the code the record was made from (its runs' ``env.json`` names a clean commit
     at which the record was current), ``after`` one of today's notebook, with the same seeds of
-    the default smoke run. When every metric and every verdict of every paired seed is equal
+    the default run at ``scale``. When every metric and every verdict of every paired seed is equal
     (:func:`workbench.compare.compare` at tolerance 0; timings left out), today's notebook key is
     written into the record. Returns why not (``[]`` when re-keyed); nothing is written then."""
     import subprocess
     from . import compare
-    d = load(slug)
+    d = load(slug, scale)
     if d is None:
-        return [f"no record of {slug} to carry over"]
-    why = [w for w in stale(slug) if "code cells" not in w]
+        return [f"no record of {slug} at {scale} to carry over"]
+    why = [w for w in stale(slug, scale) if "code cells" not in w]
     if why:
         return why                                     # a zoo entry moved: record it again
     nb_path = project_root() / "notebooks" / f"{slug}.ipynb"
     jobs = {}
     for name, root in (("before", Path(before)), ("after", Path(after))):
-        seeds = sorted(root.glob(f"{slug}/smoke/seed-*/metrics.json"))
+        seeds = sorted(root.glob(f"{slug}/{scale}/seed-*/metrics.json"))
         if not seeds:
-            return [f"{root} holds no default smoke run of {slug}"]
+            return [f"{root} holds no default {scale} run of {slug}"]
         jobs[name] = {p.parent.name: p.parent for p in seeds}
     paired = sorted(set(jobs["before"]) & set(jobs["after"]))
     if not paired:
@@ -244,11 +259,12 @@ def rekey(slug: str, before: Path, after: Path) -> list[str]:
         if notebook_key(a / f"{slug}.ipynb") != notebook_key(nb_path):
             return [f"{a} did not run today's notebook"]
     moved = compare.compare(before, after, tol=0.0, only=[slug])
-    moved = [line for line in moved["differences"] if line.split("/")[2].split(":")[0] in paired]
+    moved = [line for line in moved["differences"] if line.split("/")[1] == scale
+             and line.split("/")[2].split(":")[0] in paired]
     if moved:
         return [f"{len(moved)} number(s) or verdict(s) moved, e.g. {moved[0]}"]
     d["key"]["notebook"] = notebook_key(nb_path)
-    path(slug).write_text(json.dumps(d, indent=1) + "\n")
+    path(slug, scale).write_text(json.dumps(d, indent=1) + "\n")
     return []
 
 
@@ -289,21 +305,23 @@ class Verdict:
 
 @dataclass
 class Recorded:
-    """A notebook's record, for templates: ``claims[C1]``, ``metrics[name]``, ``seeds``, ``n``."""
+    """A notebook's record at one scale, for templates: ``claims[C1]``, ``metrics[name]``,
+    ``seeds``, ``n``."""
     slug: str
     claims: dict
     metrics: dict
     seeds: list
     stale: list
+    scale: str = "smoke"
 
     @classmethod
-    def of(cls, slug: str) -> "Recorded | None":
-        d = load(slug)
+    def of(cls, slug: str, scale: str = "smoke") -> "Recorded | None":
+        d = load(slug, scale)
         if d is None:
             return None
         return cls(slug, {k: Verdict(v["text"], v["robust"], v["holds"]) for k, v in d["claims"].items()},
                    {k: Stat(v["mean"], v["std"], v["values"]) for k, v in d["metrics"].items()},
-                   d["seeds"], stale(slug))
+                   d["seeds"], stale(slug, scale), scale)
 
     @property
     def n(self) -> int:
@@ -324,12 +342,18 @@ def _display_markdown(text: str) -> None:
         print(text)
 
 
-def table(slug: str) -> str:
-    """The verdict table of the record as Markdown (claim, robust, per seed, held)."""
-    r = Recorded.of(slug)
+def _none_yet(slug: str, scale: str) -> str:
+    knob = "" if scale == "smoke" else f" --scale {scale}"
+    return f"*No recorded runs of {slug} at {scale} yet: `workbench run {slug}{knob} " \
+           f"--seeds 0,1,2` then `workbench record` on its folder.*"
+
+
+def table(slug: str, scale: str = "smoke") -> str:
+    """The verdict table of the record at ``scale`` as Markdown (claim, robust, per seed,
+    held)."""
+    r = Recorded.of(slug, scale)
     if r is None:
-        return f"*No recorded runs of {slug} yet: `workbench run {slug} --seeds 0,1,2` " \
-               f"then `workbench record` on its folder.*"
+        return _none_yet(slug, scale)
     head = "| claim | | robust | " + " | ".join(f"seed {s}" for s in r.seeds) + " | held |"
     lines = [head, "|" + "---|" * (4 + r.n)]
     for cid, v in r.claims.items():
@@ -337,21 +361,45 @@ def table(slug: str) -> str:
                            for h in v.holds)
         lines.append(f"| {cid} | {v.text} | {'yes' if v.robust else 'no'} | {marks} | "
                      f"{v.held}/{v.n} |")
-    note = f"Recorded over seeds {', '.join(map(str, r.seeds))} at smoke scale " \
-           f"(`notebooks/results/{slug}.json`)."
+    note = f"Recorded over seeds {', '.join(map(str, r.seeds))} at {scale} scale " \
+           f"(`notebooks/results/{path(slug, scale).relative_to(results_dir()).as_posix()}`)."
     if r.stale:
         note += " **Stale:** " + "; ".join(r.stale) + "."
     return note + "\n\n" + "\n".join(lines)
 
 
+def scales_table(slug: str) -> str:
+    """Smoke and mid side by side as Markdown: each claim, whether it is robust, and the seeds
+    on which it held at each scale (``—`` where a scale has no record yet), then each record's
+    per-seed table (:func:`table`)."""
+    recs = {s: Recorded.of(slug, s) for s in SCALES}
+    have = [s for s in SCALES if recs[s] is not None]
+    if not have:
+        return table(slug)
+    ids = list(dict.fromkeys(c for s in have for c in recs[s].claims))
+    head = "| claim | | robust | " + " | ".join(f"{s}" for s in SCALES) + " |"
+    lines = [head, "|" + "---|" * (3 + len(SCALES))]
+    for cid in ids:
+        v = next(recs[s].claims[cid] for s in have if cid in recs[s].claims)
+        cells = [f"{recs[s].claims[cid]}" if recs[s] is not None and cid in recs[s].claims
+                 else "—" for s in SCALES]
+        lines.append(f"| {cid} | {v.text} | {'yes' if v.robust else 'no'} | " + " | ".join(cells) + " |")
+    parts = ["Claims held per recorded seed at each scale (seeds 0-2).", "", "\n".join(lines)]
+    for s in SCALES:
+        parts += ["", f"**{s}**", "", table(slug, s)]
+    return "\n".join(parts)
+
+
 def show(slug: str) -> None:
-    """Display the record's verdict table (Markdown in Jupyter, text elsewhere)."""
-    _display_markdown(table(slug))
+    """Display the records' verdicts, smoke and mid side by side, then each per seed
+    (:func:`scales_table`; Markdown in Jupyter, text elsewhere)."""
+    _display_markdown(scales_table(slug))
 
 
 def say(slug: str, template: str) -> None:
     """Display ``template`` (Markdown) with its ``{claims[C1]}``, ``{metrics[name]:.2f}``,
-    ``{n}`` and ``{seeds}`` fields filled from the record; a metric the record lacks shows as
+    ``{n}`` and ``{seeds}`` fields filled from the smoke record, and ``{mid.claims[C1]}``,
+    ``{mid.metrics[name]}`` from the mid record; a metric or record that is missing shows as
     ``?`` rather than failing, so prose never breaks a run."""
     _display_markdown(render(slug, template))
 
@@ -361,20 +409,29 @@ def render(slug: str, template: str) -> str:
     r = Recorded.of(slug)
     if r is None:
         return table(slug)
-
-    class Missing(dict):
-        def __missing__(self, k):
-            return _Unknown()
-
-    fields = {"claims": Missing(r.claims), "metrics": Missing(r.metrics), "n": r.n,
-              "seeds": ", ".join(map(str, r.seeds))}
+    fields = _fields(r)
+    mid = Recorded.of(slug, "mid")
+    fields["mid"] = _Unknown() if mid is None else type("Mid", (), _fields(mid))()
     return template.format_map(fields)
 
 
+class _Missing(dict):
+    def __missing__(self, k):
+        return _Unknown()
+
+
+def _fields(r: Recorded) -> dict:
+    return {"claims": _Missing(r.claims), "metrics": _Missing(r.metrics), "n": r.n,
+            "seeds": ", ".join(map(str, r.seeds))}
+
+
 class _Unknown:
-    """A field the record lacks: shown as ``?`` (``{metrics[x]}`` and ``{metrics[x].mean}`` alike),
-    so prose never breaks a run."""
+    """A field the record lacks: shown as ``?`` (``{metrics[x]}``, ``{metrics[x].mean}`` and
+    ``{mid.claims[C1]}`` without a mid record alike), so prose never breaks a run."""
     def __getattr__(self, name):
+        return self
+
+    def __getitem__(self, key):
         return self
 
     def __format__(self, spec: str) -> str:
@@ -386,39 +443,49 @@ def findings() -> str:
     (``python -m workbench.results findings > docs/findings.md``; a test keeps it current)."""
     nbs = sorted(p.stem for p in (project_root() / "notebooks").glob("[0-9][0-9]-*.ipynb"))
     out = ["# Findings: what each notebook measured, claim by claim", "",
-           "Rendered from the recorded runs in `notebooks/results/` (seeds 0-2, smoke scale) by",
-           "`python -m workbench.results findings`; never edited by hand. A claim that is not",
-           "robust may fail at smoke scale; [decisions.md](decisions.md) says why for each one",
-           "the specs expected to hold. The readings are in each notebook's \"What we saw\".", ""]
+           "Rendered from the recorded runs in `notebooks/results/` (seeds 0-2 at smoke scale, and",
+           "at mid scale in `notebooks/results/mid/`) by `python -m workbench.results findings`;",
+           "never edited by hand. A claim that is not robust may fail at smoke scale;",
+           "[decisions.md](decisions.md) says why for each one the specs expected to hold. The",
+           "readings are in each notebook's \"What we saw\".", ""]
     for slug in nbs:
-        out += [f"## {slug}", "", table(slug), ""]
+        out += [f"## {slug}", "", scales_table(slug), ""]
     return "\n".join(out).rstrip() + "\n"
 
 
 def main(argv=None) -> int:
-    """``python -m workbench.results findings`` | ``stale`` | ``rekey-full SLUG GIT_REV``
+    """``python -m workbench.results findings`` | ``stale`` | ``rekey-rows SLUG GIT_REV``
     (``workbench record`` writes records)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["findings"]:
         sys.stdout.write(findings())
         return 0
-    if args[:1] == ["stale"]:
+    if args[:1] == ["stale"]:             # every smoke record, and every mid record there is
         bad = 0
         for nb in sorted((project_root() / "notebooks").glob("[0-9][0-9]-*.ipynb")):
-            why = stale(nb.stem)
-            if why:
-                bad += 1
-                print(f"{nb.stem}: {'; '.join(why)}")
+            for scale in SCALES:
+                if scale != "smoke" and load(nb.stem, scale) is None:
+                    continue
+                why = stale(nb.stem, scale)
+                if why:
+                    bad += 1
+                    print(f"{nb.stem} ({scale}): {'; '.join(why)}")
         return 1 if bad else 0
-    if args[:1] == ["rekey-full"] and len(args) == 3:      # rekey-full SLUG GIT_REV
+    if args[:1] == ["rekey-rows"] and len(args) == 3:      # rekey-rows SLUG GIT_REV
         import subprocess
         before = subprocess.run(["git", "show", f"{args[2]}:notebooks/{args[1]}.ipynb"],
                                 cwd=project_root(), capture_output=True, text=True, check=True)
-        done = rekey_full_row(args[1], before.stdout)
-        print(f"{args[1]}: " + ("re-keyed (only the full row or comments changed)" if done else
-                                "not re-keyed: record it again"))
-        return 0 if done else 1
-    print("usage: python -m workbench.results findings | stale | rekey-full SLUG GIT_REV",
+        failed = 0
+        for scale in SCALES:
+            if load(args[1], scale) is None:
+                continue
+            done = rekey_rows(args[1], before.stdout, scale)
+            failed += not done
+            print(f"{args[1]} ({scale}): " + (
+                "re-keyed (only other scales' rows or comments changed)" if done else
+                "not re-keyed: record it again"))
+        return 1 if failed else 0
+    print("usage: python -m workbench.results findings | stale | rekey-rows SLUG GIT_REV",
           file=sys.stderr)
     return 2
 

@@ -31,11 +31,11 @@ from typing import Any, Iterable
 import numpy as np
 
 from . import cache
-from .device import run_device, seed_everything
+from .device import SCALES, run_device, seed_everything
 from .env import git_info, in_ipython, interactive, project_root, runner_job, strict_mode
-from .notebooks import RESERVED, NotebookError, check_limit, notebooks_dir, parameters
+from .notebooks import (RESERVED, NotebookError, check_limit, notebooks_dir, parameters,
+                        resolve_sizes)
 
-SCALES = ("smoke", "full")
 
 
 def interactive_dir(slug: str) -> Path:
@@ -138,8 +138,11 @@ class Run:
         error: a typo would otherwise be silently ignored). Every row must name the same sizes.
         ``limits`` maps a size or a knob to its allowed values, an inclusive ``(low, high)`` range
         (None: open) or a list of choices, so that a bad knob fails here, by name. A ``threads``
-        size sets torch's CPU threads (:meth:`set_threads`).
+        size sets torch's CPU threads (:meth:`set_threads`). A row may name another scale instead
+        (``"mid": "smoke"``): this scale then runs exactly that row
+        (:func:`workbench.notebooks.resolve_sizes`).
         """
+        table = resolve_sizes(table)
         if self.scale not in table:
             raise KeyError(f"SIZES has no row for scale {self.scale!r}; it has {sorted(table)}")
         keys = {scale: set(row) for scale, row in table.items()}

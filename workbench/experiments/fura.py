@@ -197,7 +197,7 @@ def cached_finetune(base: str, zoo_scale: str, method: str, pairs, settings: dic
     whatever names the evaluation; ``by_head`` when present). Returns ``(model, info)``: the tuned model in eval mode and
     ``{"trajectory": [...], "train_seconds", "cached"}``."""
     key = cache.key(zoo.key(base, zoo_scale), method, pairs, settings)
-    path = cache.folder(GROUP) / f"{method}-{zoo.label(base)}-{zoo_scale}-{key}"
+    path = cache.folder(GROUP) / f"{method}-{zoo.label(base)}-{zoo.zoo_scale(zoo_scale)}-{key}"
     cached = cache.is_built(path)
     s = settings
 

@@ -91,7 +91,7 @@ def static_scores(names, zoo_scale: str, models: dict, toks: dict, splits: dict)
     answer loss of the static model, computed once and cached (``cache.build``)."""
     key = cache.key([zoo.key(n, zoo_scale) for n in names],
                     {s: [e.prompt for e in ex] for s, ex in splits.items()})
-    path = cache.folder(GROUP) / f"static-{zoo_scale}-{key}"
+    path = cache.folder(GROUP) / f"static-{zoo.zoo_scale(zoo_scale)}-{key}"
 
     def build(tmp):
         out = {}
@@ -159,7 +159,7 @@ def cached_haps(names, zoo_scale: str, models: dict, toks: dict, train, test, *,
     key = cache.key([zoo.key(n, zoo_scale) for n in names], asdict(s), feat_dim,
                     [e.prompt for e in train], [e.prompt for e in test])
     tag = f"{'shared' if s.shared else 'separate'}-{s.objective}"
-    path = cache.folder(GROUP) / f"haps-{tag}-{zoo_scale}-{key}"
+    path = cache.folder(GROUP) / f"haps-{tag}-{zoo.zoo_scale(zoo_scale)}-{key}"
 
     def make():
         return H.HAPS(names, shapes, feat_dim, s.d_h, s.rank, s.shared)
@@ -209,7 +209,7 @@ def cached_ref_haps(names, zoo_scale: str, models: dict, toks: dict, train, test
     dims = {n: H.official_targets(models[n], s.layers)[0][2:] for n in names}
     key = cache.key([zoo.key(n, zoo_scale) for n in names + [encoder]], asdict(s),
                     [e.prompt for e in train], [e.prompt for e in test])
-    path = cache.folder(GROUP) / f"ref-{'shared' if s.shared else 'separate'}-{s.objective}-{zoo_scale}-{key}"
+    path = cache.folder(GROUP) / f"ref-{'shared' if s.shared else 'separate'}-{s.objective}-{zoo.zoo_scale(zoo_scale)}-{key}"
 
     def make():
         return H.RefHAPS(names, dims, h_tr.shape[1], s.rank, s.layers, s.shared, s.d_hidden,

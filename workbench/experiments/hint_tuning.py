@@ -284,7 +284,7 @@ def grpo_baseline(name: str, scale: str, problems, s: GRPOSettings, recipe=None,
     ``s``. Returns ``(PeftModel, info)``, info with the training log (mean reward and sampled
     tokens per step) and whether it was cached."""
     key = cache.key(zoo.key(name, scale, recipe), [e.prompt for e in problems], asdict(s))
-    path = cache.folder(GROUP) / f"grpo-{zoo.label(name)}-{scale}-{key}"
+    path = cache.folder(GROUP) / f"grpo-{zoo.label(name)}-{zoo.zoo_scale(scale)}-{key}"
     cached = (path / "done.json").exists()
 
     def build(tmp):
@@ -329,7 +329,7 @@ def distill_baseline(name: str, scale: str, model, tok, problems, *, k: int,
     kept and the mean target length in tokens."""
     key = cache.key(zoo.key(name, scale, recipe), [e.prompt for e in problems], k, max_new_tokens,
                     settings.seed)
-    path = cache.folder(GROUP) / f"samples-{zoo.label(name)}-{scale}-{key}"
+    path = cache.folder(GROUP) / f"samples-{zoo.label(name)}-{zoo.zoo_scale(scale)}-{key}"
 
     def build(tmp):
         ss = sample(model, tok, [e.prompt for e in problems], k, max_new_tokens, seed=settings.seed)

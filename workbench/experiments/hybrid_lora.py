@@ -309,7 +309,7 @@ class Runs:
     def key(self) -> list:
         """The sweep's cache key: the base model's recipe key and everything a run reads but
         the learning rate."""
-        return ["v2", zoo.key(self.base, self.zoo_scale), self.base, self.zoo_scale,
+        return ["v2", zoo.key(self.base, self.zoo_scale), self.base, zoo.zoo_scale(self.zoo_scale),
                 self.family, self.difficulty, self.ranks, {m: list(v) for m, v in self.full.items()},
                 asdict(replace(self.settings, lr=0.0, lr_adapter=0.0)), self.lora_scale,
                 self.adapter_ratio, [e.prompt for e in self.val], [e.prompt for e in self.held]]

@@ -110,7 +110,7 @@ def adapted(base: str, zoo_scale: str, path: str, x0, start, S: dict, seed: int,
     ``(model in eval mode, every step's loss, whether it came from the cache)``."""
     settings = {k: S[k] for k in SETTINGS}
     key = cache.key(zoo.key(base, zoo_scale), path, settings, seed, [e.prompt for e in train])
-    where = cache.folder(GROUP) / f"{path}-{zoo.label(base)}-{zoo_scale}-{key}"
+    where = cache.folder(GROUP) / f"{path}-{zoo.label(base)}-{zoo.zoo_scale(zoo_scale)}-{key}"
     cached = cache.is_built(where)
 
     def build(tmp):

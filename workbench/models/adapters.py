@@ -31,6 +31,7 @@ import torch
 from peft import PeftModel
 
 from .. import cache, evaluate
+from ..device import zoo_scale
 from ..data import packing, tasks
 from ..env import torch_threads
 from ..progress import progress
@@ -102,7 +103,7 @@ class Pool:
 
 
 def pool_key(base: str, scale: str, names, rank: int, lora_scale: float, size: PoolSize) -> str:
-    d = dict(base=zoo.key(base, scale), names=list(names), rank=rank,
+    d = dict(base=zoo.key(base, zoo_scale(scale)), names=list(names), rank=rank,
              scale=lora_scale, size=asdict(size), version=POOL_VERSION)
     return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
 
@@ -110,13 +111,13 @@ def pool_key(base: str, scale: str, names, rank: int, lora_scale: float, size: P
 def recipe_key(model_scale: str = "smoke") -> str:
     """What every pool at ``model_scale`` shares beside its base and families: the version and
     the training sizes (a run that used a pool goes stale when this moves)."""
-    return cache.key(POOL_VERSION, asdict(POOL_SIZES[model_scale]))
+    return cache.key(POOL_VERSION, asdict(POOL_SIZES[zoo_scale(model_scale)]))
 
 
 def pool_dir(base: str = "lm-base", model_scale: str = "smoke", families=None, rank: int = 8,
              scale: float = 2.0) -> Path:
     """The cache folder of the pool :func:`adapters` builds with these arguments."""
-    names = tuple(families or zoo.ALL_FAMILIES)
+    names, model_scale = tuple(families or zoo.ALL_FAMILIES), zoo_scale(model_scale)
     key = pool_key(base, model_scale, names, rank, scale, POOL_SIZES[model_scale])
     return zoo.zoo_dir() / "adapters" / f"{zoo.label(base)}-{model_scale}-{key}"
 
@@ -125,7 +126,7 @@ def adapters(base: str = "lm-base", families=None, rank: int = 8, scale: float =
              model_scale: str = "smoke", force: bool = False) -> Pool:
     """The LoRA pool on zoo model ``base``: one adapter per name in ``families`` (task families,
     ``"a+b"`` mixtures or :data:`MIXTURES` names; default every family), built on first use."""
-    names = tuple(families or zoo.ALL_FAMILIES)
+    names, model_scale = tuple(families or zoo.ALL_FAMILIES), zoo_scale(model_scale)
     for n in names:
         members(n)
     if rank < 1:

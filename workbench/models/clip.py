@@ -26,6 +26,7 @@ from transformers import (CLIPConfig, CLIPModel, CLIPTextConfig, CLIPVisionConfi
                           PreTrainedTokenizerFast)
 
 from .. import cache
+from ..device import zoo_scale
 from ..data import images
 from ..env import torch_threads
 
@@ -62,11 +63,13 @@ SIZES = {"smoke": ClipSize(), "full": ClipSize(dim=128, vision_layers=4, text_la
 
 
 def _key(scale: str, s: ClipSize) -> str:
+    scale = zoo_scale(scale)
     return cache.key(NAME, CLIP_VERSION, scale, asdict(s), images.SHAPES_SEEN, images.TEMPLATES,
                      images.SIZE)
 
 
 def model_dir(scale: str = "smoke", sizes: ClipSize | None = None) -> Path:
+    scale = zoo_scale(scale)            # mid runs on the smoke mini-CLIP
     s = sizes or SIZES[scale]
     return cache.folder("zoo", "clip") / f"{NAME}-{scale}-{_key(scale, s)}"
 
@@ -227,6 +230,7 @@ def evaluate(model, tok, n_per_class: int = 10, seed: int = 99) -> dict:
 def ensure(scale: str = "smoke", sizes: ClipSize | None = None, force: bool = False) -> Path:
     """Build the mini-CLIP at ``scale`` once (file lock, atomic rename); return its directory.
     ``force`` trains it again and replaces the finished build (``workbench zoo build --force``)."""
+    scale = zoo_scale(scale)
     s = sizes or SIZES[scale]
     path = model_dir(scale, s)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 from .. import cache
 from ..data import packing
-from ..device import fast_math
+from ..device import fast_math, zoo_scale
 from . import zoo
 
 __all__ = ["TARGETS", "LoraSettings", "lora_model", "train_steps", "train_lora", "cached_lora"]
@@ -117,6 +117,7 @@ def cached_lora(base: str, scale: str, prompts: list[str], completions: list[str
     and cached under ``cache.folder(group)`` with a key of the base model's recipe key, the texts
     and ``s`` (``recipe`` builds a model that is not a zoo recipe, as ``zoo.load`` does). Returns
     ``(PeftModel, tokenizer, info)``; ``info["cached"]`` says whether it was loaded."""
+    scale = zoo_scale(scale)                      # a mid run reuses the smoke fine-tunes
     base_key = zoo.key(base, scale, recipe)
     key = cache.key(base_key, list(prompts), list(completions), asdict(s))
     path = cache.folder(group) / f"{tag}-{zoo.label(base)}-{scale}-{key}"

@@ -14,6 +14,7 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 
 from .. import cache
+from ..device import zoo_scale
 from ..data.tasks import ALL_FAMILIES, difficulties  # the task constants live with the tasks
 
 __all__ = ["ZOO_VERSION", "ALL_FAMILIES", "Size", "Recipe", "RECIPES", "SMOKE_V2", "SMOKE_V3",
@@ -94,12 +95,12 @@ class Recipe:
         batch=64, lr=1e-3, warmup=300, n_task_examples=50000, eval_examples=200))
 
     def size(self, scale: str) -> Size:
-        if scale not in ("smoke", "full"):
-            raise ValueError(f"scale must be 'smoke' or 'full', got {scale!r}")
-        return getattr(self, scale)
+        """The sizes at ``scale`` (``mid`` builds nothing of its own: the smoke sizes)."""
+        return getattr(self, zoo_scale(scale))
 
     def key(self, scale: str) -> str:
         """Hash of everything that changes the built model (recipe, this scale's sizes)."""
+        scale = zoo_scale(scale)
         d = asdict(self)
         d.pop("smoke"), d.pop("full"), d.pop("description"), d.pop("compare_direct")
         d.update(scale=scale, size=asdict(self.size(scale)), version=ZOO_VERSION)

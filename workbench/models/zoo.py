@@ -29,12 +29,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from .. import cache
 from ..data.tasks import ALL_FAMILIES
+from ..device import zoo_scale
 from . import checkpoint
 from .recipes import RECIPES, Recipe, recipe
 from .training import train_and_save
 
 __all__ = ["ALL_FAMILIES", "RECIPES", "recipe", "zoo_dir", "model_dir", "load", "ensure", "build",
-           "list_built", "clear", "key", "with_steps", "label", "export"]
+           "list_built", "clear", "key", "with_steps", "label", "export", "zoo_scale"]
 
 
 def zoo_dir() -> Path:
@@ -44,7 +45,7 @@ def zoo_dir() -> Path:
 
 def model_dir(name: str, scale: str = "smoke", given: Recipe | None = None) -> Path:
     """The cache folder of zoo model ``name`` at ``scale`` (built or not)."""
-    r = recipe(name, given)
+    r, scale = recipe(name, given), zoo_scale(scale)
     return zoo_dir() / f"{r.name}-{scale}-{r.key(scale)}"
 
 
@@ -158,7 +159,7 @@ def ensure(name: str, scale: str = "smoke", given: Recipe | None = None,
     checkpoint directory is there already: its path, False)."""
     if given is None and checkpoint.is_checkpoint(name):
         return Path(name).expanduser().resolve(), False
-    r = recipe(name, given)
+    r, scale = recipe(name, given), zoo_scale(scale)
     return cache.build(model_dir(name, scale, r),
                        lambda tmp: train_and_save(r, scale, tmp, load=load),
                        ready="card.json", force=force)
