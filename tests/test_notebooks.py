@@ -56,3 +56,31 @@ def test_opening_follows_the_template(info):
     assert f'workbench.start("{info.slug}", globals())' in opening
     assert "run.sizes(SIZES" in opening and len(opening.strip().splitlines()) <= 20
     assert "raise " not in opening           # checks live in start() / run.sizes(limits=...)
+
+
+def test_a_sizes_row_may_name_another_scale():
+    from workbench.notebooks import resolve_sizes
+    table = {"smoke": {"n": 1}, "mid": "smoke", "full": {"n": 9}}
+    assert resolve_sizes(table) == {"smoke": {"n": 1}, "mid": {"n": 1}, "full": {"n": 9}}
+    with pytest.raises(KeyError, match="not a row of sizes"):
+        resolve_sizes({"smoke": {"n": 1}, "mid": "tiny"})
+    with pytest.raises(KeyError, match="not a row of sizes"):
+        resolve_sizes({"smoke": "mid", "mid": "smoke"})
+
+
+@pytest.mark.parametrize("info", discover(), ids=lambda i: i.slug)
+def test_every_notebook_has_a_mid_row_that_says_why(info):
+    """`--scale mid` runs every notebook: its SIZES has a mid row (sizes, or the name of the
+    row it runs), with a comment above it saying why, and the scale parameter allows it."""
+    from workbench.notebooks import parameters, sizes_table
+    assert "mid" in sizes_table(info.path)
+    assert parameters(info.path)["scale"]["limit"].allows("mid")
+    nb = json.loads(info.path.read_text())
+    src = next("".join(c["source"]) for c in nb["cells"] if "SIZES = " in "".join(c["source"]))
+    lines = src.splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith('"mid"'))
+    above = []
+    while at > 0 and lines[at - 1].lstrip().startswith("#"):
+        at -= 1
+        above.insert(0, lines[at].strip())
+    assert above and above[0].startswith("# mid"), f"{info.slug}: say why above the mid row"

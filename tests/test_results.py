@@ -265,3 +265,58 @@ def test_compare_leaves_out_what_a_run_reads_off_the_clock(tmp_path):
     with pytest.raises(KeyError, match="does not hold"):
         Run("99-demo", out_dir=tmp_path / "c", params={}).claim(
             "C1", "x", holds=True, evidence={"a": 1}, clock=("b",))
+
+
+def test_a_mid_run_is_recorded_beside_the_smoke_record(project, capsys):
+    """``notebooks/results/mid/<slug>.json``: the same key and aggregation, its own staleness;
+    What we saw shows both scales and prose reads the mid record as ``{mid....}``."""
+    run = project / "runs"
+    for s, (a, h) in enumerate([(0.5, True), (0.7, True), (0.9, False)]):
+        job(run, "99-demo", s, a, h)
+        job(run, "99-demo", s, a + 0.05, True, params="mid")
+    written = results.record(run)
+    assert written == [results.path("99-demo"), results.path("99-demo", "mid")]
+    assert results.path("99-demo", "mid") == project / "notebooks/results/mid/99-demo.json"
+    mid = results.load("99-demo", "mid")
+    assert mid["scale"] == "mid" and mid["claims"]["C1"]["holds"] == [True, True, True]
+    assert mid["metrics"]["acc"]["mean"] == pytest.approx(0.75)
+    assert results.stale("99-demo", "mid") == []
+    shown = results.scales_table("99-demo")
+    assert "| C1 | acc is high | yes | 2/3 | 3/3 |" in shown and "mid scale" in shown
+    assert results.render("99-demo", "{claims[C1]} then {mid.claims[C1]}, "
+                          "{mid.metrics[acc]:.2f}") == "2/3 then 3/3, 0.75 ± 0.20"
+    results.path("99-demo", "mid").unlink()
+    assert results.render("99-demo", "at mid {mid.claims[C1]}") == "at mid ?"
+    assert "No recorded runs of 99-demo at mid" in results.scales_table("99-demo")
+    with pytest.raises(ValueError, match="records are kept at"):
+        results.path("99-demo", "full")
+
+
+def test_an_edit_to_other_scales_rows_keeps_a_record(project):
+    """A record at one scale survives edits a run at that scale cannot see (comments, the other
+    scales' rows of SIZES), and follows the row it names (``"mid": "smoke"``)."""
+    before = 'SIZES = {"smoke": {"n": 1}, "full": {"n": 9}}\nx = 1\n'
+    notebook(project, "99-demo", before)
+    text = (project / "notebooks/99-demo.ipynb").read_text()
+    run = project / "runs"
+    for s in range(3):
+        job(run, "99-demo", s, 0.5, True)
+        job(run, "99-demo", s, 0.5, True, params="mid")
+    results.record(run)
+    notebook(project, "99-demo", 'SIZES = {"smoke": {"n": 1},  # why\n  "mid": "smoke", '
+                                 '"full": {"n": 10}}\nx = 1\n')
+    assert results.rekey_rows("99-demo", text, "smoke")
+    assert results.stale("99-demo") == []
+    # the mid record was made when mid had no row: what mid runs now is the smoke row
+    assert results.rekey_rows("99-demo", text, "mid") is False
+    mid_text = (project / "notebooks/99-demo.ipynb").read_text()
+    results.record(run)                                       # record mid again, at this text
+    notebook(project, "99-demo", 'SIZES = {"smoke": {"n": 2}, "mid": "smoke", "full": {"n": 10}}\n'
+                                 'x = 1\n')
+    assert not results.rekey_rows("99-demo", mid_text, "mid")       # its smoke row moved
+    notebook(project, "99-demo", 'SIZES = {"smoke": {"n": 1}, "mid": "smoke", "full": {"n": 3}}\n'
+                                 'x = 1\n')
+    assert results.rekey_rows("99-demo", mid_text, "mid")
+    notebook(project, "99-demo", 'SIZES = {"smoke": {"n": 1}, "mid": "smoke", "full": {"n": 3}}\n'
+                                 'x = 2\n')
+    assert not results.rekey_rows("99-demo", mid_text, "mid")       # code moved

@@ -58,6 +58,7 @@ class Chapter:
     rel: str                # its run folder, relative to the run dir
     seed: int | None
     claims: list            # that run's own verdicts (its metrics.json's claims)
+    scale: str | None = "smoke"
 
 
 # -- reading the run --------------------------------------------------------------------------
@@ -74,13 +75,14 @@ def chapters(run_dir: Path) -> list[Chapter]:
         rank = (r["scale"] not in (None, "smoke"), r["seed"] if r["seed"] is not None else 99)
         if r["notebook"] not in best or rank < best[r["notebook"]][0]:
             best[r["notebook"]] = (rank, Chapter(r["notebook"], nb, r["rel"], r["seed"],
-                                                 r["claims"]))
+                                                 r["claims"], r["scale"]))
     return [best[slug][1] for slug in sorted(best)]
 
 
-def records() -> dict[str, dict]:
-    """slug -> its record (``notebooks/results/<slug>.json``), every recorded notebook."""
-    folder = project_root() / "notebooks" / "results"
+def records(scale: str = "smoke") -> dict[str, dict]:
+    """slug -> its record at ``scale`` (``notebooks/results/<slug>.json`` at smoke,
+    ``notebooks/results/mid/<slug>.json`` at mid), every notebook recorded there."""
+    folder = results.path("00-x", scale).parent
     return {p.stem: report.read_json(p) for p in sorted(folder.glob("[0-9][0-9]-*.json"))}
 
 
@@ -149,11 +151,14 @@ def _evidence_html(seeds: list, claim: dict) -> str:
     return out + (f"<details><summary>evidence</summary>{evs}</details>" if evs else "")
 
 
-def verdict_html(slug: str, record: dict | None, chapter: Chapter | None = None) -> str:
-    """The chapter's verdict table: per claim the recorded seeds' verdicts, "holds on n of N
-    seeds" (the cell coloured by n), its intervals and evidence seed by seed, this run's verdict."""
+def verdict_html(slug: str, record: dict | None, chapter: Chapter | None = None,
+                 scale: str = "smoke") -> str:
+    """The chapter's verdict table at ``scale``: per claim the recorded seeds' verdicts, "holds
+    on n of N seeds" (the cell coloured by n), its intervals and evidence seed by seed, this
+    run's verdict (when ``chapter`` ran at that scale)."""
     if not record or not record.get("claims"):
-        return f"<p>No recorded runs of {slug} (notebooks/results/{slug}.json).</p>"
+        rel = results.path(slug, scale).relative_to(project_root()).as_posix()
+        return f"<p>No recorded runs of {slug} at {scale} ({rel}).</p>"
     seeds = record.get("seeds", [])
     mine = {c.get("id"): c.get("holds") for c in (chapter.claims if chapter else [])}
     head = "".join(f"<th>seed {s}</th>" for s in seeds)
@@ -172,9 +177,12 @@ def verdict_html(slug: str, record: dict | None, chapter: Chapter | None = None)
             + "".join(rows) + "</tbody></table>")
 
 
-def matrix_html(recs: dict[str, dict], have: set[str], titles: dict[str, str]) -> str:
+def matrix_html(recs: dict[str, dict], have: set[str], titles: dict[str, str],
+                mids: dict[str, dict] | None = None) -> str:
     """The claims matrix: a row per recorded notebook, a cell per claim coloured by the seeds
-    it held on; a cell links to the claim's row in its chapter (when the run has that chapter)."""
+    it held on at smoke, with the mid record's count beside it where there is one (coloured by
+    its own); a cell links to the claim's row in its chapter (when the run has that chapter)."""
+    mids = mids or {}
     width = max((len(r.get("claims", {})) for r in recs.values()), default=0)
     head = f'<th colspan="{width}">claims (id: seeds held / seeds recorded)</th>'
     rows = []
@@ -192,6 +200,10 @@ def matrix_html(recs: dict[str, dict], have: set[str], titles: dict[str, str]) -
             text = f"{cid} {k}/{n}"
             if slug in have:
                 text = f'<a href="chapters/{slug}.html#{claim_anchor(slug, cid)}">{text}</a>'
+            mc = mids.get(slug, {}).get("claims", {}).get(cid)
+            if mc is not None:
+                km, nm = held(mc)
+                text += f' <span class="{held_class(km, nm)}" title="at mid">mid {km}/{nm}</span>'
             cells.append(f'<td class="{held_class(k, n)}" title="{tip}">{text}</td>')
         cells += ["<td></td>"] * (width - len(cells))
         rows.append(f'<tr><th title="{name}">{label}</th>{"".join(cells)}</tr>')
@@ -264,7 +276,7 @@ def _fold_twins(outs: list[dict]) -> list[dict]:
     return out
 
 
-def chapter_notebook(ch: Chapter, record: dict | None) -> dict:
+def chapter_notebook(ch: Chapter, record: dict | None, mid: dict | None = None) -> dict:
     """The executed notebook as its chapter shows it: the verdict table and the code links after
     the title, papermill's injected parameters, widget outputs and stderr dropped, plotly
     outputs drawn offline."""
@@ -295,7 +307,16 @@ def chapter_notebook(ch: Chapter, record: dict | None) -> dict:
            + (f" of {record.get('recorded')}" if record else "") + "."
            + (" <b>Stale:</b> the notebook's code cells changed since that record."
               if record and code_changed(ch.slug, record) else "") + "</p>")
-    md = ("## Verdicts over seeds\n\n" + verdict_html(ch.slug, record, ch) + "\n\n" + src
+    mid_src = ""
+    if mid:
+        mid_src = (f'<p class="wb-source">At mid scale, from the record '
+                   f"<code>notebooks/results/mid/{ch.slug}.json</code> of {mid.get('recorded')}."
+                   + (" <b>Stale:</b> the notebook's code cells changed since that record."
+                      if code_changed(ch.slug, mid) else "") + "</p>")
+    mine = ch if ch.scale != "mid" else None
+    md = ("## Verdicts over seeds\n\n### At smoke scale\n\n" + verdict_html(ch.slug, record, mine)
+          + "\n\n" + src + "\n\n### At mid scale\n\n"
+          + verdict_html(ch.slug, mid, ch if ch.scale == "mid" else None, "mid") + "\n\n" + mid_src
           + "\n\n" + (f'<p class="wb-code">The code: {links}</p>\n' if links else ""))
     first = next((i for i, c in enumerate(cells) if c["cell_type"] == "markdown"), -1)
     if first >= 0:
@@ -346,7 +367,8 @@ def shared_page(name: str) -> tuple[str, list[str]]:
     return "\n".join(out), mods
 
 
-def index_page(recs: dict, chs: list[Chapter], titles: dict, run_dir: Path) -> str:
+def index_page(recs: dict, chs: list[Chapter], titles: dict, run_dir: Path,
+               mids: dict | None = None) -> str:
     have = {c.slug for c in chs}
     n_claims = sum(len(r.get("claims", {})) for r in recs.values())
     toc = "\n".join(f"chapters/{c.slug}" for c in chs)
@@ -361,10 +383,12 @@ notebook measured. Built from the run `{html.escape(str(run_dir))}` ({len(chs)} 
 ## The claims matrix
 
 {len(recs)} notebooks, {n_claims} claims, as recorded over seeds 0-2 at smoke scale
-(`notebooks/results/`). A cell's colour is the number of seeds on which the claim held; a cell
-links to the claim's row, with its evidence and intervals, in the chapter.
+(`notebooks/results/`), and beside each, where the notebook has one, at mid scale
+(`notebooks/results/mid/`, {len(mids or {})} notebooks). A cell's colour is the number of seeds
+on which the claim held; a cell links to the claim's row, with its evidence and intervals, in
+the chapter.
 
-{matrix_html(recs, have, titles)}
+{matrix_html(recs, have, titles, mids)}
 
 ```{{toctree}}
 :caption: Papers
@@ -461,7 +485,7 @@ def write_sources(run_dir: Path, src: Path) -> list[Chapter]:
     chs = chapters(run_dir)
     if not chs:
         raise FileNotFoundError(NO_CHAPTERS.format(run_dir=run_dir))
-    recs = records()
+    recs, mids = records(), records("mid")
     titles = {}
     from .notebooks import discover          # titles of the checkout's notebooks
     try:
@@ -471,7 +495,7 @@ def write_sources(run_dir: Path, src: Path) -> list[Chapter]:
     code = set()
     plotly = False
     for ch in chs:
-        nb = chapter_notebook(ch, recs.get(ch.slug))
+        nb = chapter_notebook(ch, recs.get(ch.slug), mids.get(ch.slug))
         code.update(modules_of(nb))
         text = json.dumps(nb, indent=1, ensure_ascii=False)
         plotly = plotly or "wb-plotly-" in text
@@ -487,7 +511,7 @@ def write_sources(run_dir: Path, src: Path) -> list[Chapter]:
             _write(src / "docs" / f"{d}.md", (root / "docs" / f"{d}.md").read_text())
     if (root / "data" / "zoo.md").is_file():
         _write(src / "data-zoo.md", (root / "data" / "zoo.md").read_text())
-    _write(src / "index.md", index_page(recs, chs, titles, run_dir))
+    _write(src / "index.md", index_page(recs, chs, titles, run_dir, mids))
     js = []
     static = src / "_static"
     if plotly:

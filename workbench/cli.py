@@ -46,6 +46,17 @@ def _last_results(root: Path) -> dict[str, str]:
     return out
 
 
+def _recorded(slug: str, scale: str) -> str:
+    """``4/6``: the claims of the record at ``scale`` that held on every recorded seed, of all
+    its claims (``-`` without a record)."""
+    from . import results
+    d = results.load(slug, scale)
+    if d is None:
+        return "-"
+    claims = d.get("claims", {}).values()
+    return f"{sum(1 for c in claims if c['holds'] and all(c['holds']))}/{len(claims)}"
+
+
 def _claim_ids(claims: list[str]) -> str:
     """``C1 C2 C3 C5`` -> ``C1-C3 C5``: claim ids in little room."""
     nums = [int(c[1:]) for c in claims if c[1:].isdigit()]
@@ -86,10 +97,11 @@ def cmd_list(args) -> int:
         print(f"error: --runs {runs} is not a folder", file=sys.stderr)
         return 2
     last = _last_results(runs)
-    rows = [("no", "slug", "title", "claims", f"last result (in {args.runs or 'runs/'})")]
+    rows = [("no", "slug", "title", "claims", "smoke", "mid",
+             f"last result (in {args.runs or 'runs/'})")]
     for i in infos:
-        rows.append((i.number, i.slug, i.title, _claim_ids(i.claims),
-                     last.get(i.slug, "never run")))
+        rows.append((i.number, i.slug, i.title, _claim_ids(i.claims), _recorded(i.slug, "smoke"),
+                     _recorded(i.slug, "mid"), last.get(i.slug, "never run")))
     lines = _fit(rows, args.width, flex=2)
     print(lines[0])
     print("-" * min(args.width, max(len(ln) for ln in lines)))
@@ -222,10 +234,12 @@ def cmd_plan(args) -> int:
     try:
         infos = nbs.discover() if args.all else [nbs.resolve(n) for n in args.notebooks]
         params = dict(args.param or [])
-        rows = [plan.estimate(i.slug, i.path, args.scale, params).row() for i in infos]
+        ests = [plan.estimate(i.slug, i.path, args.scale, params) for i in infos]
     except (LookupError, ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    rate = plan.cpu_rate() if args.scale != "full" else None
+    rows = [dict(e.row(), **({"cpu_s": e.cpu_seconds(rate[0])} if rate else {})) for e in ests]
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -233,10 +247,13 @@ def cmd_plan(args) -> int:
         over = "  (over the 10-minute budget)" if r["h100_s"] > plan.BUDGET_S else ""
         print(f"{r['notebook']} at {r['scale']}: {r['flops']:.2e} FLOPs, peak "
               f"{r['peak_gib']:.2f} GiB, about {plan.duration(r['h100_s'])} on one H100{over}"
+              + (f", at least {plan.duration(r['cpu_s'])} on one CPU thread" if rate else "")
               + (f"; zoo builds first: {plan.duration(r['build_s'])}" if r["build_s"] else ""))
         for ph in r["phases"]:
             print(f"  {ph['what']:<40} {ph['flops']:9.2e} FLOPs  {plan.duration(ph['s']):>9}")
-    print(f"assumed: {plan.assumptions()}")
+    print(f"assumed: {plan.assumptions()}"
+          + (f"; the CPU at {rate[1]} (the notebook's own FLOPs; Python overhead and small "
+             f"kernels make a real run slower)" if rate else ""))
     return 0
 
 
@@ -281,7 +298,8 @@ def cmd_report(args) -> int:
 
 
 def cmd_record(args) -> int:
-    """``notebooks/results/<slug>.json`` from a run folder: tracked files, written only here."""
+    """``notebooks/results/<slug>.json`` (and ``mid/<slug>.json``) from a run folder: tracked
+    files, written only here."""
     run = Path(args.dir)
     if not run.is_dir():
         print(f"error: {run} is not a folder; give the --out folder of `workbench run SLUG "
@@ -302,12 +320,12 @@ def cmd_record(args) -> int:
     ran = {d.name for d in run.iterdir() if d.is_dir() and (slugs is None or d.name in slugs)
            and (nbs.notebooks_dir() / f"{d.name}.ipynb").exists()}
     for slug in sorted(ran - {p.stem for p in written}):
-        print(f"not recorded: {slug}: its default smoke run ({slug}/smoke/) is not ok on every "
-              f"seed of {seeds}", file=sys.stderr)
+        print(f"not recorded: {slug}: neither its default smoke run ({slug}/smoke/) nor its "
+              f"default mid run ({slug}/mid/) is ok on every seed of {seeds}", file=sys.stderr)
     if not written:
-        print(f"error: nothing recorded from {run}: a record needs a notebook's default smoke run "
-              f"ok on seeds {seeds} (`workbench run SLUG --seeds 0,1,2 --out {run}`)",
-              file=sys.stderr)
+        print(f"error: nothing recorded from {run}: a record needs a notebook's default smoke or "
+              f"mid run ok on seeds {seeds} (`workbench run SLUG [--scale mid] --seeds 0,1,2 "
+              f"--out {run}`)", file=sys.stderr)
         return 1
     return 0
 
@@ -323,10 +341,13 @@ def _rekey(results, before: Path, after: Path, slugs) -> int:
                             and (nbs.notebooks_dir() / f"{d.name}.ipynb").exists())
     bad = 0
     for slug in slugs:
-        why = results.rekey(slug, before, after)
-        bad += bool(why)
-        print(f"{slug}: " + (f"not carried over: {'; '.join(why)} (record it again)" if why else
-                             "carried over: no number or verdict moved"))
+        scales = [s for s in results.SCALES if (after / slug / s).is_dir()] or ["smoke"]
+        for scale in scales:
+            why = results.rekey(slug, before, after, scale)
+            bad += bool(why)
+            at = f" ({scale})" if scale != "smoke" else ""
+            print(f"{slug}{at}: " + (f"not carried over: {'; '.join(why)} (record it again)"
+                                     if why else "carried over: no number or verdict moved"))
     return 1 if bad else 0
 
 

@@ -451,7 +451,10 @@ def estimate(slug: str, path: Path, scale: str = "full", params: dict | None = N
         except (ValueError, SyntaxError):
             defaults[name] = None
     p = {**defaults, **(params or {}), "scale": scale}
-    S = dict(sizes_table(path)[scale])
+    table = sizes_table(path)
+    if scale not in table:
+        raise LookupError(f"{slug}: SIZES has no {scale} row (rows: {', '.join(table)})")
+    S = dict(table[scale])
     for name, value in (params or {}).items():
         if name in S and value is not None:
             S[name] = _coerce(str(value), S[name])
@@ -464,7 +467,8 @@ def missing_builds(p: dict, S: dict) -> list[Cost]:
     """The zoo builds a job would start: its zoo models at their scale, when not in the cache."""
     from . import cache
     from .models import recipes
-    scale = p.get("zoo_scale") or p.get("pool_scale") or p["scale"]
+    from .device import zoo_scale
+    scale = zoo_scale(p.get("zoo_scale") or p.get("pool_scale") or p["scale"])
     names = {v for k, v in p.items() if k in ZOO_PARAMS and v in recipes.RECIPES}
     for key in ("candidates", "encoder"):
         v = S.get(key)
