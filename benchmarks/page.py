@@ -80,3 +80,26 @@ def recorded(name: str, write: bool, fenced: bool = True):
         body = f"`{cmd}`, {machine()}:\n\n" + (f"```\n{out}\n```" if fenced else out)
         write_section(name, body)
         print(f"wrote section {name} of {PAGE}", file=sys.stderr)
+
+
+def readme_column(header: str, values: dict[str, str], readme: Path | None = None) -> None:
+    """Set the README notebook table's column ``header`` (added before the last column when the
+    table lacks it) to ``values`` (notebook number -> cell; a number not given keeps its cell,
+    or gets ``-`` in a new column). Each benchmark owns its own column."""
+    path = readme or ROOT / "README.md"
+    lines = path.read_text().split("\n")
+    start = next(i for i, line in enumerate(lines) if line.startswith("| no | notebook | paper"))
+    end = next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in lines[start:end]]
+    head = rows[0]
+    if header not in head:
+        at = len(head) - 1
+        for r in rows:
+            r.insert(at, header if r is head else "----" if r is rows[1] else "-")
+    col = head.index(header)
+    for r in rows[2:]:
+        if r[0] in values:
+            r[col] = values[r[0]]
+    lines[start:end] = ["| " + " | ".join(r) + " |" if i != 1 else "|" + "----|" * len(r)
+                        for i, r in enumerate(rows)]
+    path.write_text("\n".join(lines))

@@ -24,7 +24,7 @@ import page  # noqa: E402
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--scale", default="full", choices=("smoke", "full"))
+    ap.add_argument("--scale", default="full", choices=("smoke", "mid", "full"))
     ap.add_argument("--json", default=None, help="also write the rows as JSON here")
     ap.add_argument("--readme", action="store_true",
                     help="rewrite the README's notebook table with the estimates' column")
@@ -44,19 +44,9 @@ def main(argv=None) -> int:
 
 
 def readme_table(rows: list[dict]) -> None:
-    """The README's notebook table (no, notebook, paper) with a column of these estimates."""
-    path = Path(__file__).resolve().parents[1] / "README.md"
-    lines = path.read_text().split("\n")
-    start = next(i for i, line in enumerate(lines) if line.startswith("| no | notebook | paper"))
-    end = next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))
-    by_no = {r["notebook"][:2]: r for r in rows}
-    table = ["| no | notebook | paper | full on one H100 (est.) |", "|----|----|----|----|"]
-    for line in lines[start + 2:end]:
-        no, nb, paper = [c.strip() for c in line.strip("|").split("|")[:3]]
-        r = by_no[no]
-        table.append(f"| {no} | {nb} | {paper} | {plan.duration(r['h100_s'])}, "
-                     f"{r['peak_gib']:.1f} GiB |")
-    path.write_text("\n".join(lines[:start] + table + lines[end:]))
+    """The README notebook table's column of these estimates (:func:`page.readme_column`)."""
+    page.readme_column("full on one H100 (est.)", {
+        r["notebook"][:2]: f"{plan.duration(r['h100_s'])}, {r['peak_gib']:.1f} GiB" for r in rows})
 
 
 if __name__ == "__main__":
