@@ -320,3 +320,26 @@ def test_an_edit_to_other_scales_rows_keeps_a_record(project):
     notebook(project, "99-demo", 'SIZES = {"smoke": {"n": 1}, "mid": "smoke", "full": {"n": 3}}\n'
                                  'x = 2\n')
     assert not results.rekey_rows("99-demo", mid_text, "mid")       # code moved
+
+
+def test_the_judging_seeds_are_recorded_beside_the_record(project, capsys):
+    """``workbench record DIR --seeds 3,4,5``: a changed criterion's judging seeds, in
+    ``judging/``, rendered into docs/decisions.md's section; other seed sets are refused."""
+    from workbench import cli
+    run = project / "runs"
+    for s in (3, 4, 5):
+        job(run, "99-demo", s, 0.6, s != 4)
+    assert cli.main(["record", str(run), "--seeds", "3,4,5"]) == 0
+    p = results.path("99-demo", "smoke", results.JUDGING)
+    assert p == project / "notebooks/results/judging/99-demo.json" and p.is_file()
+    assert results.load("99-demo") is None                 # the seeds 0-2 record is untouched
+    assert results.load("99-demo", "smoke", (3, 4, 5))["claims"]["C1"]["holds"] == [True, False, True]
+    section = results.judging()
+    assert "### 99-demo at smoke, seeds 3, 4, 5" in section and "| 2/3 |" in section
+    assert cli.main(["record", str(run), "--seeds", "3,4"]) == 2
+    assert "records cover seeds" in capsys.readouterr().err
+
+
+def test_the_judging_section_of_decisions_is_current():
+    text = (Path(__file__).resolve().parents[1] / "docs/decisions.md").read_text()
+    assert results.judging() in text, "python -m workbench.results judging"

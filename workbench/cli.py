@@ -313,10 +313,16 @@ def cmd_record(args) -> int:
     from . import results        # imports the zoo's recipes (torch) for the records' keys
     if args.unchanged_from:
         return _rekey(results, Path(args.unchanged_from), run, slugs)
-    written = results.record(run, slugs=slugs)
+    try:
+        seeds = tuple(int(s) for s in args.seeds.split(","))
+        results.path("00-x", "smoke", seeds)
+    except ValueError as e:
+        print(f"error: --seeds {args.seeds}: {e}", file=sys.stderr)
+        return 2
+    written = results.record(run, slugs=slugs, seeds=seeds)
     for path in written:
         print(f"recorded: {path} (What we saw reads it; commit it with the notebook)")
-    seeds = ", ".join(map(str, results.SEEDS))
+    seeds = ", ".join(map(str, seeds))
     ran = {d.name for d in run.iterdir() if d.is_dir() and (slugs is None or d.name in slugs)
            and (nbs.notebooks_dir() / f"{d.name}.ipynb").exists()}
     for slug in sorted(ran - {p.stem for p in written}):
@@ -612,6 +618,10 @@ def parser() -> argparse.ArgumentParser:
                      "writes it")
     rec.add_argument("notebooks", nargs="*", metavar="SLUG",
                      help="record only these notebooks (default: every one the folder holds)")
+    rec.add_argument("--seeds", default=",".join(map(str, (0, 1, 2))),
+                     help="the seeds to record: 0,1,2 (the record What we saw shows; default) or "
+                     "3,4,5 (the judging seeds of a changed criterion, recorded in judging/ "
+                     "beside it)")
     rec.add_argument("--unchanged-from", metavar="BEFORE",
                      help="record nothing new: carry each record over to today's code where "
                      "DIR's seeds equal BEFORE's (a run of the recorded commit) in every metric "

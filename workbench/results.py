@@ -30,11 +30,12 @@ from pathlib import Path
 from .env import project_root
 from .stats import mean_std
 
-__all__ = ["SEEDS", "SCALES", "RESULTS_TAG", "EXPLORE_TAG", "results_dir", "path", "notebook_key",
+__all__ = ["SEEDS", "JUDGING", "SCALES", "RESULTS_TAG", "EXPLORE_TAG", "results_dir", "path", "notebook_key",
            "zoo_keys", "current_key", "record", "rekey", "load", "stale", "Recorded", "table",
            "show", "render", "say", "findings", "main"]
 
 SEEDS = (0, 1, 2)           # the seeds a recorded result covers
+JUDGING = (3, 4, 5)         # the seeds that judge a changed criterion, recorded beside SEEDS
 SCALES = ("smoke", "mid")   # the scales with records (full needs a GPU: its runs stay run folders)
 RESULTS_TAG = "results"     # a code cell tagged so shows recorded results: not part of the key
 EXPLORE_TAG = "explore"     # an explorer after run.finish() (workbench.explore): records nothing
@@ -45,12 +46,17 @@ def results_dir() -> Path:
     return project_root() / "notebooks" / "results"
 
 
-def path(slug: str, scale: str = "smoke") -> Path:
+def path(slug: str, scale: str = "smoke", seeds=SEEDS) -> Path:
     """The record of ``slug`` at ``scale``: ``<slug>.json`` at smoke, ``<scale>/<slug>.json``
-    beside it for the others."""
+    beside it for the others; the record of the judging seeds (:data:`JUDGING`, the seeds a
+    changed criterion was judged on) in a ``judging/`` folder beside each."""
     if scale not in SCALES:
         raise ValueError(f"records are kept at {SCALES}, not {scale!r}")
-    return results_dir() / (f"{slug}.json" if scale == "smoke" else f"{scale}/{slug}.json")
+    seeds = tuple(seeds)
+    if seeds not in (SEEDS, JUDGING):
+        raise ValueError(f"records cover seeds {SEEDS} or the judging seeds {JUDGING}, not {seeds}")
+    folder = results_dir() if scale == "smoke" else results_dir() / scale
+    return folder / ("judging" if seeds == JUDGING else "") / f"{slug}.json"
 
 
 def notebook_key(nb_path: Path) -> str:
@@ -149,23 +155,23 @@ def _write(slug: str, runs: list[dict], seeds: list[int], scale: str = "smoke") 
            "recorded": time.strftime("%Y-%m-%d"),
            "duration_s": [r.get("duration_s") for r in runs],
            "claims": claims, "metrics": metrics}
-    p = path(slug, scale)
+    p = path(slug, scale, seeds)
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(out, indent=1, default=str) + "\n")
     return p
 
 
-def load(slug: str, scale: str = "smoke") -> dict | None:
-    p = path(slug, scale)
+def load(slug: str, scale: str = "smoke", seeds=SEEDS) -> dict | None:
+    p = path(slug, scale, seeds)
     return json.loads(p.read_text()) if p.exists() else None
 
 
-def stale(slug: str, scale: str = "smoke") -> list[str]:
+def stale(slug: str, scale: str = "smoke", seeds=SEEDS) -> list[str]:
     """Why the record of ``slug`` at ``scale`` no longer describes the notebook ([] when
     current)."""
-    d = load(slug, scale)
+    d = load(slug, scale, seeds)
     if d is None:
-        return [f"no recorded results ({path(slug, scale)})"]
+        return [f"no recorded results ({path(slug, scale, seeds)})"]
     scoped = d["key"].get("zoo_scope") == "used"
     now = current_key(slug, list(d["key"]["zoo"]) if scoped else None)
     why = []
@@ -315,13 +321,13 @@ class Recorded:
     scale: str = "smoke"
 
     @classmethod
-    def of(cls, slug: str, scale: str = "smoke") -> "Recorded | None":
-        d = load(slug, scale)
+    def of(cls, slug: str, scale: str = "smoke", seeds=SEEDS) -> "Recorded | None":
+        d = load(slug, scale, seeds)
         if d is None:
             return None
         return cls(slug, {k: Verdict(v["text"], v["robust"], v["holds"]) for k, v in d["claims"].items()},
                    {k: Stat(v["mean"], v["std"], v["values"]) for k, v in d["metrics"].items()},
-                   d["seeds"], stale(slug, scale), scale)
+                   d["seeds"], stale(slug, scale, seeds), scale)
 
     @property
     def n(self) -> int:
@@ -348,10 +354,10 @@ def _none_yet(slug: str, scale: str) -> str:
            f"--seeds 0,1,2` then `workbench record` on its folder.*"
 
 
-def table(slug: str, scale: str = "smoke") -> str:
+def table(slug: str, scale: str = "smoke", seeds=SEEDS) -> str:
     """The verdict table of the record at ``scale`` as Markdown (claim, robust, per seed,
     held)."""
-    r = Recorded.of(slug, scale)
+    r = Recorded.of(slug, scale, seeds)
     if r is None:
         return _none_yet(slug, scale)
     head = "| claim | | robust | " + " | ".join(f"seed {s}" for s in r.seeds) + " | held |"
@@ -361,8 +367,9 @@ def table(slug: str, scale: str = "smoke") -> str:
                            for h in v.holds)
         lines.append(f"| {cid} | {v.text} | {'yes' if v.robust else 'no'} | {marks} | "
                      f"{v.held}/{v.n} |")
+    rel = path(slug, scale, seeds).relative_to(results_dir()).as_posix()
     note = f"Recorded over seeds {', '.join(map(str, r.seeds))} at {scale} scale " \
-           f"(`notebooks/results/{path(slug, scale).relative_to(results_dir()).as_posix()}`)."
+           f"(`notebooks/results/{rel}`)."
     if r.stale:
         note += " **Stale:** " + "; ".join(r.stale) + "."
     return note + "\n\n" + "\n".join(lines)
@@ -453,12 +460,41 @@ def findings() -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+JUDGING_BEGIN, JUDGING_END = "<!-- begin judging -->", "<!-- end judging -->"
+
+
+def judging() -> str:
+    """The judging seeds' verdicts (:data:`JUDGING`) of every notebook with such a record, at
+    each scale: the section of docs/decisions.md between its markers, rendered by
+    ``python -m workbench.results judging`` (a test keeps it current). A criterion changed for a
+    reason written in docs/decisions.md is judged on these seeds, unseen when it was written."""
+    out = []
+    nbs = sorted(p.stem for p in (project_root() / "notebooks").glob("[0-9][0-9]-*.ipynb"))
+    for slug in nbs:
+        for scale in SCALES:
+            if load(slug, scale, JUDGING) is not None:
+                out += [f"### {slug} at {scale}, seeds {', '.join(map(str, JUDGING))}", "",
+                        table(slug, scale, JUDGING), ""]
+    body = "\n".join(out).rstrip() or "*No criterion has been judged on these seeds yet.*"
+    return f"{JUDGING_BEGIN}\n{body}\n{JUDGING_END}"
+
+
 def main(argv=None) -> int:
-    """``python -m workbench.results findings`` | ``stale`` | ``rekey-rows SLUG GIT_REV``
-    (``workbench record`` writes records)."""
+    """``python -m workbench.results findings`` | ``judging`` | ``stale`` |
+    ``rekey-rows SLUG GIT_REV`` (``workbench record`` writes records)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["findings"]:
         sys.stdout.write(findings())
+        return 0
+    if args[:1] == ["judging"]:          # rewrite docs/decisions.md's judging section
+        import re
+        page = project_root() / "docs" / "decisions.md"
+        text = page.read_text()
+        pattern = re.compile(re.escape(JUDGING_BEGIN) + ".*?" + re.escape(JUDGING_END), re.S)
+        text = pattern.sub(lambda _: judging(), text) if pattern.search(text) else \
+            text.rstrip("\n") + "\n\n## Judging seeds\n\n" + judging() + "\n"
+        page.write_text(text)
+        print(f"wrote the judging section of {page}")
         return 0
     if args[:1] == ["stale"]:             # every smoke record, and every mid record there is
         bad = 0
@@ -485,7 +521,7 @@ def main(argv=None) -> int:
                 "re-keyed (only other scales' rows or comments changed)" if done else
                 "not re-keyed: record it again"))
         return 1 if failed else 0
-    print("usage: python -m workbench.results findings | stale | rekey-rows SLUG GIT_REV",
+    print("usage: python -m workbench.results findings | judging | stale | rekey-rows SLUG GIT_REV",
           file=sys.stderr)
     return 2
 
