@@ -2,11 +2,13 @@
 solved scales, the row names, the gap and slope helpers, and the readers' agreement check."""
 import math
 
+import pytest
 import torch
 from torch import nn
 
 from workbench import quant as Q
 from workbench.experiments import gsq as X
+from workbench.methods import gsq as M
 
 
 class _Two(nn.Module):
@@ -184,3 +186,17 @@ def test_frontier_runs_awq_and_gptvq_at_the_scalar_grid_s_bits(monkeypatch):
     assert met["frontier_gap_closed_gsq_2bit"] == 0.5 and met["bpw_vq_3bit"] <= 3.125
     table = X.ppl_table({**res, ("rtn", 4): {"ppl": 3.0}}, (2,), 128, 0.9)
     assert table.loc["AWQ"].iloc[0] == 1.0
+
+
+def test_gsq_start_is_the_reference_s_gptq_and_the_start_is_named():
+    g = torch.Generator().manual_seed(3)
+    lin = nn.Linear(64, 8, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(8, 64, generator=g))
+    bed = _bed_of(lin, _hessian(64))
+    w, info = X.gsq_start(bed, 2, 32)
+    ref = M.gptq_start(lin.weight.detach(), bed.H["l"], 2, 32)
+    assert torch.equal(w["l"], ref.dequantize()) and torch.equal(info["l"]["q"].codes, ref.codes)
+    assert X.STARTS == ("official", "absmax")
+    with pytest.raises(ValueError):
+        X.quantize_all(bed, (2,), 32, M.GSQConfig(steps=1), 0, start="rtn")

@@ -83,6 +83,25 @@ def test_step_costs_pairs_the_rounds_and_counts_the_quantizer():
     assert counts["bytes"]["Hestia"] > counts["bytes"]["STE"] > 0
 
 
+def test_ratio_by_tokens_gives_one_row_per_batch_and_an_empty_table_for_none():
+    model = _tiny_lm()
+    M.ternarize(model, "hestia")
+    data = torch.randint(0, 50, (4, 8))
+    t = X.ratio_by_tokens(model, data, [1, 4], rounds=2, temp=0.3)
+    assert t.sequences.tolist() == [1, 4] and t.tokens.tolist() == [8, 32]
+    assert (t.q1 <= t["median"]).all() and (t["median"] <= t.q3).all()
+    assert (t.byte_ratio > 1).all()
+    assert len(X.ratio_by_tokens(model, data[:0], [], rounds=2, temp=0.3)) == 0
+
+
+def test_qat_config_takes_the_decay_style_and_the_limits_name_it():
+    S = {"steps": 40, "batch": 2, "lr": 1e-3, "log_every": 10, "gap_every": 5}
+    assert X.qat_config(S, 0.5, 0.2).decay_style == "cosine"
+    assert X.qat_config(S, 0.5, 0.2, "hessian").decay_style == "hessian"
+    assert X.LIMITS["decay_style"] == ["cosine", "hessian"]
+    assert "block" in X.LIMITS["granularity"] and "tensor" in X.LIMITS["granularity"]
+
+
 def test_consistency_separates_hestia_from_the_ste():
     models = {"Hestia, Hessian T": _tiny_lm(), "STE (absmean)": _tiny_lm()}
     M.ternarize(models["Hestia, Hessian T"], "hestia")

@@ -30,7 +30,20 @@ def test_gradient_spectrum_sees_a_rank_one_gradient():
     (s,) = ex.gradient_spectrum(["model.layers.0.self_attn.q_proj"], [g], rank=1, seed=0)
     assert s["layer"] == "0.q_proj" and s["shape"] == (8, 4)
     assert s["energy_top_r"] == pytest.approx(1.0) and s["energy_top1"] == pytest.approx(1.0)
-    assert 0.25 < s["energy_top_r_null"] < 0.9                     # a random 8 x 4 matrix
+    assert 0.25 < s["energy_top_r_null"] < s["energy_top_r_null_q"] < 0.9   # random 8 x 4
+    assert s["beats_null"]
+
+
+def test_gradient_spectrum_null_is_a_test_at_its_level():
+    """Unstructured gradients beat the same-shape null's 95th percentile about 5% of the time;
+    layers of one shape share one null."""
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(16, 4, generator=gen) for _ in range(60)] + [torch.randn(16, 8)]
+    spec = ex.gradient_spectrum([f"model.layers.{i}.mlp.up_proj" for i in range(61)], grads,
+                                rank=2, seed=0)
+    assert sum(s["beats_null"] for s in spec[:60]) / 60 < 0.2
+    assert len({s["energy_top_r_null_q"] for s in spec[:60]}) == 1
+    assert spec[60]["energy_top_r_null"] < spec[0]["energy_top_r_null"]   # 2 of 8 < 2 of 4
 
 
 def test_layer_quality_meets_the_unbiased_law_theory():

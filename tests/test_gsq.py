@@ -199,3 +199,55 @@ def test_optimal_scales_match_least_squares():
             A[gi * 16:(gi + 1) * 16, gi] = lv[0, o, gi * 16:(gi + 1) * 16]
         ref = torch.linalg.lstsq(L.T @ A, L.T @ W[o].double()).solution
         assert torch.allclose(s[o].double(), ref, rtol=1e-3, atol=1e-5)
+
+
+def _reference_search(row, bits):
+    """One row's scale by the reference's loop, written out per candidate: absmax start, then
+    p = 1, 0.99, ..., 0.21, positive then negative sign, strict improvement only."""
+    maxq, zero = 2 ** bits - 1, 2 ** (bits - 1)
+    xmax = max(float(row.abs().max()), 0.0) or 1.0
+    best, scale = float("inf"), 2 * xmax / maxq
+    for i in range(80):
+        s1 = 2 * (1 - i / 100) * xmax / maxq
+        e = {}
+        for s in (s1, -s1):
+            c = torch.clamp(torch.round(row / s) + zero, 0, maxq)
+            e[s] = float((s * (c - zero) - row).abs().pow(2.4).sum())
+        s = -s1 if e[-s1] < e[s1] else s1
+        if e[s] < best:
+            best, scale = e[s], s
+    return scale
+
+
+def test_gptq_start_is_the_official_code_s():
+    """GSQ's GPTQ start as IST-DASLab/GSQ (commit 03fc164) computes it:
+    ``src/models/base.py`` lines 393-396 configure the quantizer with ``mse=True``;
+    ``src/prior/quant.py`` lines 91-149 (``Quantizer.find_params``) search the group's scale
+    over ``p = 1 - i/100``, ``i < 80``, from the absmax scale, comparing ``|q - x|^2.4`` of the
+    scale and of its negative (lines 135-143) and keeping a strict improvement; ``src/prior/
+    gptq.py`` lines 165-174 fit each group on the outer ``W`` when its first column comes up;
+    every config sets ``gptq.percdamp: 0.1`` (``configs/local/config.yaml`` line 42, used by
+    ``GPTQ.cholesky``, ``src/prior/gptq.py`` lines 75-88)."""
+    assert M.START_PERCDAMP == 0.1
+    g = torch.Generator().manual_seed(4)
+    wg = torch.randn(12, 32, generator=g)
+    wg[0] = 0.0                                                     # a dead group
+    wg[1, 5] = 4.0                                                  # largest weight positive
+    for bits in (2, 3, 4):
+        got = M.search_scale(wg, bits)
+        want = torch.tensor([_reference_search(r, bits) for r in wg])
+        assert torch.allclose(got, want, rtol=1e-6), bits
+        assert got[1] < 0               # the negative scale puts the extra level on +4.0's side
+    assert (M.search_scale(wg, 2) < 0).any() and (M.search_scale(wg, 2) > 0).any()
+    # with H = I there is no error to feed forward: the start is RTN on the searched scales
+    w = torch.randn(6, 64, generator=g)
+    for bits in (2, 3):
+        q = M.gptq_start(w, torch.eye(64), bits, 32)
+        s = torch.stack([M.search_scale(w[:, k:k + 32], bits) for k in (0, 32)], 1)
+        assert torch.equal(q.scale, s)
+        assert torch.equal(q.codes, Q.quantize_codes(w, s, q.zero, bits, 32))
+    # on a correlated Hessian it beats the GPTQ baseline's absmax start at damping 0.01
+    X = torch.randn(512, 64, generator=g) @ (torch.randn(64, 64, generator=g) / 4 + torch.eye(64))
+    H = 2 / 512 * X.T @ X
+    start, plain = M.gptq_start(w, H, 2, 32), Q.gptq(w, H, 2, 32)
+    assert Q.output_error(w, start.dequantize(), H) < Q.output_error(w, plain.dequantize(), H)

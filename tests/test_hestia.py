@@ -142,7 +142,10 @@ def test_schedule_endpoints():
     assert all(a <= b for a, b in zip(press, press[1:]))
     assert temps[0] == pytest.approx(0.32) and temps[19] == pytest.approx(0.32)
     assert temps[-1] == 0.0 and temps[-2] > 0
-    assert all(a >= b for a, b in zip(temps, temps[1:]))
+    assert all(a >= b for a, b in zip(temps[20:], temps[21:]))     # the anneal never warms
+    hes = H.Schedule(steps=100, t0=0.4, compress_ratio=0.2, scale=0.8, decay_style="hessian")
+    temps = [hes.temperature(t) for t in range(100)]
+    assert all(a >= b for a, b in zip(temps, temps[1:])) and temps[-1] == 0.0
     assert H.Schedule(10, 0.5, compress_ratio=0.0).pressure(0) == 1.0
 
 
@@ -224,18 +227,28 @@ def test_hutchpp_has_lower_variance_than_hutchinson_at_equal_matvecs():
 
 
 def test_trace_groups_follow_the_public_granularities():
+    """Every path of hestia2026/Hestia computes one trace per tensor: ``QuantConfig`` sets
+    ``calibration_granularity = "tensor"`` (src/hestia/quant_config.py, line 18), as do the shipped
+    configs (configs/hessian_calibration.yaml, line 4); its "layer" groups are keyed
+    ``layer_{counter}`` (hessian/calibrator.py, lines 136-153) with a counter advanced at every
+    Linear (src/hestia/model_utils.py, lines 94-116), so each holds one tensor. Per-block groups
+    are our named option ``"block"``."""
     names = [f"model.layers.{b}.{m}.weight" for b in (0, 1)
              for m in ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj")]
+    assert list(H.trace_groups(names).values()) == [[n] for n in names]      # default: tensor
     assert list(H.trace_groups(names, "tensor").values()) == [[n] for n in names]
-    layer = H.trace_groups(names, "layer")
-    assert list(layer.values()) == [names[:3], names[3:]]          # q_proj first: it is estimated
+    assert list(H.trace_groups(names, "layer").values()) == [[n] for n in names]
+    block = H.trace_groups(names, "block")
+    assert list(block.values()) == [names[:3], names[3:]]          # q_proj first: it is estimated
     comp = H.trace_groups(names, "component")
     assert comp["q_proj"] == [names[0], names[3]] and len(comp) == 3
     with pytest.raises(ValueError):
-        H.trace_groups(names, "block")
+        H.trace_groups(names, "row")
 
 
-def test_layer_granularity_shares_the_first_tensors_exact_trace():
+def test_per_tensor_traces_by_default_and_block_groups_share_the_first_tensors_exact_trace():
+    """The default is one exact trace per tensor (hessian/calibrator.py, lines 121-134:
+    ``"tensor"`` registers every Linear); ``"block"`` gives the first tensor's to its block."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=8, intermediate_size=12, num_hidden_layers=2,
@@ -245,7 +258,7 @@ def test_layer_granularity_shares_the_first_tensors_exact_trace():
     x = torch.randint(0, 20, (3, 8), generator=torch.Generator().manual_seed(1))
     names = [n for n, _ in model.named_parameters() if "layers." in n and n.endswith("proj.weight")]
     # a sketch as wide as q_proj (64 weights) makes Hutch++ exact: the reference value is tr(H_qq)
-    tr = H.hessian_traces(model, names, x, granularity="layer", num_sketch=64, num_query=0)
+    tr = H.hessian_traces(model, names, x, granularity="block", num_sketch=64, num_query=0)
     q0 = dict(model.named_parameters())["model.layers.0.self_attn.q_proj.weight"]
 
     def loss_of(w):
@@ -258,9 +271,70 @@ def test_layer_granularity_shares_the_first_tensors_exact_trace():
     assert len(block0) == 7 and len({tr[n] for n in block0}) == 1   # one trace per block
     assert abs(tr[block0[0]] - exact) < 1e-8 * max(1.0, abs(exact))
     assert len({tr[n] for n in block1}) == 1 and tr[block1[0]] != tr[block0[0]]
-    per_tensor = H.hessian_traces(model, names, x, granularity="tensor", num_sketch=64,
-                                  num_query=0)
+    per_tensor = H.hessian_traces(model, names, x, num_sketch=64, num_query=0)   # the default
     assert per_tensor[block0[0]] == tr[block0[0]] and len(set(per_tensor.values())) == len(names)
+
+
+def test_cosine_decay_scales_the_constant_phase_only_and_restarts_the_anneal():
+    """hestia2026/Hestia's default ``temp_decay_style = "cosine"`` (src/hestia/quant_config.py,
+    lines 26-33; configs/quant_example.yaml and configs/hessian_calibration.yaml, lines 8-11:
+    compress 0.2, anneal 0.8, "cosine"): ``ThermoScheduler.get_temp`` (thermo_scheduler.py,
+    lines 76-87) multiplies by ``temp_scale`` while ``cur_ratio <= 1 - anneal_ratio`` only; in the
+    anneal ``_calculate_eff_temp`` (lines 93-105) returns ``init_temp * coeff`` unscaled for
+    "cosine" and ``init_temp * coeff * temp_scale`` for "hessian"."""
+    t0, scale, n = 0.35, 0.7, 100
+    cos = H.Schedule(n, t0, compress_ratio=0.2, scale=scale)               # the default style
+    hes = H.Schedule(n, t0, compress_ratio=0.2, scale=scale, decay_style="hessian")
+    glob = H.Schedule(n, t0, compress_ratio=0.2)
+    assert cos.decay_style == "cosine" and H.QATConfig().decay_style == "cosine"
+    for t in range(n):
+        r = (t + 1) / n
+        coeff = 0.5 * (1 + math.cos(math.pi * (r - 0.2) / 0.8))
+        if r <= 0.2:                                                       # constant phase
+            assert cos.temperature(t) == pytest.approx(t0 * scale)
+            assert hes.temperature(t) == pytest.approx(t0 * scale)
+        else:
+            assert cos.temperature(t) == pytest.approx(t0 * coeff, abs=1e-12)
+            assert cos.temperature(t) == pytest.approx(glob.temperature(t), abs=1e-12)
+            assert hes.temperature(t) == pytest.approx(t0 * coeff * scale, abs=1e-12)
+    # the restart: the first anneal step is hotter than the scaled constant phase before it
+    assert cos.temperature(20) > cos.temperature(19) == pytest.approx(t0 * scale)
+    assert cos.temperature(n - 1) == 0.0 == hes.temperature(n - 1)
+    with pytest.raises(ValueError):
+        H.Schedule(n, t0, decay_style="linear")
+
+
+def test_qat_config_carries_the_decay_style_to_every_schedule():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=8, intermediate_size=12, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, vocab_size=20,
+                      max_position_embeddings=8)
+    data = torch.randint(0, 20, (4, 8), generator=torch.Generator().manual_seed(0))
+    for style in H.DECAY_STYLES:
+        m = LlamaForCausalLM(cfg)
+        scales = {n: 0.8 for n in H.ternarize(m, "hestia")}
+        hist = H.qat(m, data, H.QATConfig(steps=10, batch=2, decay_style=style, log_every=10),
+                     "hestia", scales)
+        assert {s.decay_style for s in hist["schedules"].values()} == {style}
+
+
+def test_zero_temperature_has_the_public_straight_through_gradient():
+    """At ``T = 0`` the public ``ThermoQuantizer.forward`` (src/hestia/thermo_quantizer.py,
+    lines 86-100) returns ``x + (round-and-clip(x * s) / s) - x.detach()`` with the scale
+    ``1 / s = mean|x|`` left in the graph: the identity plus ``q`` times the scale's derivative.
+    The STE baseline (its ``TernaryLinear``, quant_linear.py, lines 245-251) detaches all of it."""
+    w = _weights((6, 5), seed=3).requires_grad_()
+    up = torch.randn(6, 5, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    out = H.soft_ternary(w, 0.0)
+    assert torch.equal(out.detach(), H.hard_ternary(w))
+    g, = torch.autograd.grad((up * out).sum(), w)
+    q = torch.clamp(torch.round(w.detach() / w.detach().abs().mean()), -1, 1)
+    # d gamma / dW = sign(W) / numel, so d<up, q gamma>/dW = <up, q> sign(W) / numel
+    expect = up + float((up * q).sum()) * torch.sign(w.detach()) / w.numel()
+    assert torch.allclose(g, expect, atol=1e-12)
+    g_ste, = torch.autograd.grad((up * H.ste_ternary(w)).sum(), w)
+    assert torch.equal(g_ste, up)
 
 
 def test_initial_temperature_is_the_public_codes_optimum():

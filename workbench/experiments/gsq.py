@@ -3,7 +3,8 @@
 
 The harness loads the zoo's quantization bed with its calibration Hessians and held-out blocks;
 measures how sensitive the backbone is to its block weights; quantizes every block linear with
-RTN, GPTQ and GSQ as published (IST-DASLab/GSQ, started from GPTQ) at each bit width, and the two
+RTN, GPTQ and GSQ as published (IST-DASLab/GSQ, started from the reference's own GPTQ: searched
+group scales, damping 0.1) at each bit width, and the two
 ablations of ours that re-solve the scales of GPTQ's and of GSQ's assignment in closed form; at 2
 and 3 bits, the frontier GSQ is measured against (GPTVQ, van Baalen et al. 2024, at the scalar
 grid's bits per weight, codebooks included) and AWQ (Lin et al. 2024) beside RTN and GPTQ;
@@ -30,21 +31,26 @@ from workbench.methods import gsq as M
 from workbench.models import zoo
 from workbench.plots import subplots
 
-__all__ = ["LIMITS", "METHODS", "ABLATIONS", "NAMES", "LLAMA_CPP_PPL_RTOL", "limits", "swapped",
-           "layer_errors", "gap_closed", "loglog_slope", "Bed", "load_bed", "weight_noise",
-           "baseline", "quantize_all", "FRONTIER", "VQ_DIM", "frontier", "frontier_gap",
-           "frontier_metrics", "solved_scales", "ppl_metrics", "ppl_table", "flips",
-           "layer_error_means", "diagnostics_figure", "task_scores", "q4_0_round_trip",
-           "readers_agree", "timing_sweep", "timing_figure", "group_sizes", "group_table",
-           "grid_rows", "explore_figure"]
+__all__ = ["LIMITS", "METHODS", "ABLATIONS", "STARTS", "NAMES", "LLAMA_CPP_PPL_RTOL", "limits",
+           "swapped", "layer_errors", "gap_closed", "loglog_slope", "Bed", "load_bed",
+           "weight_noise", "baseline", "gsq_start", "quantize_all", "FRONTIER", "VQ_DIM",
+           "frontier", "frontier_gap", "frontier_metrics", "solved_scales", "ppl_metrics",
+           "ppl_table", "flips", "layer_error_means", "diagnostics_figure", "task_scores",
+           "q4_0_round_trip", "readers_agree", "timing_sweep", "timing_figure", "group_sizes",
+           "group_table", "grid_rows", "explore_figure"]
 
 LIMITS = {"group_size": [32 * k for k in range(1, 65)], "gsq_steps": (0, None),
           "n_calib": (1, None)}
 METHODS = ("rtn", "gptq", "gsq")
 ABLATIONS = ("gptq+scales", "gsq+scales")
+# GSQ's start: the reference's GPTQ (searched, signed group scales, damping 0.1,
+# methods.gsq.gptq_start) or the GPTQ baseline's codes (absmax scales, damping 0.01)
+STARTS = ("official", "absmax")
 FRONTIER = ("awq", "vq")          # the other scalar baseline and the vector frontier (2, 3 bits)
 VQ_DIM = 2                        # GPTVQ's 2-D vectors (the paper's main setting)
-NAMES = {"rtn": "RTN", "awq": "AWQ", "gptq": "GPTQ", "gsq": "GSQ (as published)",
+NAMES = {"rtn": "RTN", "awq": "AWQ", "gptq": "GPTQ",
+         "gsq-start": "GPTQ as GSQ starts it (searched scales, damping 0.1)",
+         "gsq": "GSQ (as published)",
          "gptq+scales": "GPTQ + solved scales (ablation, ours)",
          "gsq+scales": "GSQ + solved scales (ablation, ours)",
          "vq": "GPTVQ 2-D (vector frontier)"}
@@ -188,17 +194,44 @@ def baseline(bed: Bed, method: str, bits: int, group_size: int) -> tuple[dict, d
     return weights, info
 
 
-def quantize_all(bed: Bed, bits_list, group_size: int, cfg: M.GSQConfig, seed: int) -> dict:
+def gsq_start(bed: Bed, bits: int, group_size: int) -> tuple[dict, dict]:
+    """GSQ's start as the reference computes it (:func:`workbench.methods.gsq.gptq_start`) for
+    every block linear, on the full-precision model's Hessians: ``(name -> dequantized weight,
+    name -> {"q", "seconds"})``."""
+    weights, info = {}, {}
+    for n, lin in bed.layers.items():
+        t = time.time()
+        q = M.gptq_start(lin.weight.detach(), bed.H[n], bits, group_size)
+        weights[n], info[n] = q.dequantize(), {"q": q, "seconds": time.time() - t}
+    return weights, info
+
+
+def quantize_all(bed: Bed, bits_list, group_size: int, cfg: M.GSQConfig, seed: int,
+                 start: str = "official") -> dict:
     """(method, bits) -> perplexity, weights, per-layer info, seconds (wall and this process'
     CPU: one thread, so CPU seconds are what a quiet machine's wall clock would show) and
-    per-layer errors, for RTN, GPTQ and GSQ as published (started from GPTQ's codes and scales)
-    at each bit width, then the two solved-scales ablations; prints a line per quantization."""
+    per-layer errors, for RTN, GPTQ and GSQ as published at each bit width, then the two
+    solved-scales ablations; prints a line per quantization. GSQ starts from ``start``
+    (:data:`STARTS`): ``"official"``, the reference's GPTQ (its own row, ``"gsq-start"``), or
+    ``"absmax"``, the GPTQ baseline's codes and scales."""
+    if start not in STARTS:
+        raise ValueError(f"start must be one of {STARTS}, not {start!r}")
     results = {}
     for bits in bits_list:
         for method in METHODS:
+            if method == "gsq" and start == "official":
+                t, cpu = time.time(), time.process_time()
+                weights, info = gsq_start(bed, bits, group_size)
+                secs, cpu = time.time() - t, time.process_time() - cpu
+                ppl = bed.ppl(weights)
+                results[("gsq-start", bits)] = {"ppl": ppl, "weights": weights, "info": info,
+                                                "s": secs, "cpu": cpu,
+                                                "err": layer_errors(bed.model, bed.H, weights)}
+                print(f"{bits} bit start ppl {ppl:8.3f}   {secs:5.1f} s ({cpu:5.1f} s CPU)")
             t, cpu = time.time(), time.process_time()
             if method == "gsq":
-                init = {n: i["q"] for n, i in results[("gptq", bits)]["info"].items()}
+                src = "gsq-start" if start == "official" else "gptq"
+                init = {n: i["q"] for n, i in results[(src, bits)]["info"].items()}
                 weights, info = M.quantize_model(bed.model, bed.calib, init, cfg, seed=seed)
             else:
                 weights, info = baseline(bed, method, bits, group_size)
@@ -276,10 +309,16 @@ def frontier_metrics(results: dict, bits_list) -> dict:
 
 def ppl_metrics(results: dict, bits_list) -> dict:
     """``ppl_{method}_{bits}bit``, ``seconds_{method}_{bits}bit`` and
-    ``cpu_seconds_{method}_{bits}bit`` of RTN, GPTQ and GSQ, and ``ppl_gptq_scales_{bits}bit``,
-    ``ppl_gsq_scales_{bits}bit`` of the ablations."""
+    ``cpu_seconds_{method}_{bits}bit`` of RTN, GPTQ and GSQ (and of GSQ's start, ``gsq_start``,
+    where it ran), and ``ppl_gptq_scales_{bits}bit``, ``ppl_gsq_scales_{bits}bit`` of the
+    ablations."""
     out = {}
     for bits in bits_list:
+        if ("gsq-start", bits) in results:
+            r = results[("gsq-start", bits)]
+            out.update({f"ppl_gsq_start_{bits}bit": r["ppl"],
+                        f"seconds_gsq_start_{bits}bit": r["s"],
+                        f"cpu_seconds_gsq_start_{bits}bit": r["cpu"]})
         for m in METHODS:
             out.update({f"ppl_{m}_{bits}bit": results[(m, bits)]["ppl"],
                         f"seconds_{m}_{bits}bit": results[(m, bits)]["s"],

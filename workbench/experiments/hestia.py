@@ -5,7 +5,7 @@ The harness loads a zoo backbone (``lm-qbed`` by default: the quantization-sensi
 builds the QAT data (a fixed stream of corpus windows and packed task lines, the same for every
 method) and the held-out evaluation sets; scores the two reference rows (full precision, ternary
 rounding without training) per held-out block and per task item; computes the offline Hessian
-traces (Hutch++, shared per block by default, as the public calibrator) and their temperature
+traces (Hutch++, one per tensor by default, as every path of the public code) and their temperature
 scales; runs the QAT comparison (STE, Hestia with one global schedule, the matched global
 control, Hestia with Hessian schedules); compares two runs on the same items with a paired
 bootstrap; checks each quantizer's forward against its backward; times a training step of each
@@ -37,14 +37,15 @@ from workbench.plots import subplots
 __all__ = ["LIMITS", "KEY", "COLOR", "limits", "qat_config", "train_stream", "block_nll",
            "task_items", "Bed", "load_bed", "reference_rows", "sensitivities",
            "trace_table", "qat_methods", "qat_run", "qat_metrics", "row_table", "compare", "consistency",
-           "stepper", "step_costs", "export_gguf", "gguf_metrics", "gguf_summary",
+           "stepper", "step_costs", "ratio_by_tokens", "export_gguf", "gguf_metrics", "gguf_summary",
            "c2_evidence", "schedule_figure",
            "DEAD_SLOPE", "forward_curve", "dead_share", "relaxation_figure"]
 
 # the knobs' and sizes' allowed values, checked by run.sizes before anything runs
 LIMITS = {"steps": (10, None), "batch": (1, None), "lr": (1e-12, None), "t0": (1e-12, None),
           "compress_ratio": (0, 0.999), "alpha": (0, None), "kappa": (1e-12, None),
-          "granularity": list(M.GRANULARITIES), "trace_estimator": ["hutchpp", "hutchinson"]}
+          "granularity": list(M.GRANULARITIES), "decay_style": list(M.DECAY_STYLES),
+          "trace_estimator": ["hutchpp", "hutchinson"]}
 # the four QAT runs: label -> the metric-name stem
 KEY = {"STE (absmean)": "ste", "Hestia, global T": "hestia_global",
        "Hestia, global T x mean scale": "hestia_global_matched", "Hestia, Hessian T": "hestia_hessian"}
@@ -56,13 +57,15 @@ def limits() -> dict:
     return {**LIMITS, "task_family": tasks.names()}      # model: checked by models.checkpoint
 
 
-def qat_config(S: dict, t0: float | None, compress_ratio: float) -> M.QATConfig:
+def qat_config(S: dict, t0: float | None, compress_ratio: float,
+               decay_style: str = "cosine") -> M.QATConfig:
     """The QAT settings every method shares; ``t0`` None takes the public code's MSE-optimal
-    initial temperature; the relaxed-vs-hard gap is logged at least 20 times."""
+    initial temperature; ``decay_style`` is :class:`M.Schedule`'s; the relaxed-vs-hard gap is
+    logged at least 20 times."""
     T0 = M.optimal_init_temp() if t0 is None else float(t0)
     return M.QATConfig(steps=S["steps"], batch=S["batch"], lr=S["lr"],
                        log_every=min(S["log_every"], S["steps"]), t0=T0,
-                       compress_ratio=compress_ratio,
+                       compress_ratio=compress_ratio, decay_style=decay_style,
                        gap_every=max(1, min(S["gap_every"], S["steps"] // 20)))
 
 
@@ -178,7 +181,7 @@ def reference_rows(bed: Bed) -> tuple[dict, dict]:
 
 
 def sensitivities(bed: Bed, S: dict, seed: int, device, kappa: float, alpha: float,
-                  estimator: str = "hutchpp", granularity: str = "layer") -> dict:
+                  estimator: str = "hutchpp", granularity: str = "tensor") -> dict:
     """Hessian traces of the ternary tensors on the full-precision model (once, before QAT;
     ``M.hessian_traces`` with the scale's ``trace_sketch`` and ``trace_query`` for Hutch++ or
     ``trace_probes`` for Hutchinson, shared per ``granularity`` group) and the temperature scales
@@ -310,6 +313,22 @@ def step_costs(model, x: torch.Tensor, rounds: int, temp: float) -> tuple[pd.Dat
     return t, counts
 
 
+def ratio_by_tokens(model, data: torch.Tensor, batches, rounds: int, temp: float) -> pd.DataFrame:
+    """C5's overhead against the tokens per step: for each number of sequences in ``batches``,
+    :func:`step_costs` on the first that many blocks of ``data``: the per-round ratio Hestia / STE
+    (median and quartiles) and the byte ratio of one step, one row per batch. The quantizer's work
+    grows with the weights, the matmuls' with weights times tokens, so the ratio should fall as the
+    tokens per step grow."""
+    out = []
+    for b in batches:
+        t, counts = step_costs(model, data[:b], rounds, temp)
+        sp = costs.spread(t["ratio"])
+        out.append({"sequences": int(b), "tokens": int(b * data.shape[1]), "median": sp["median"],
+                    "q1": sp["q1"], "q3": sp["q3"], "step_s_ste": float(t["STE"].median()),
+                    "byte_ratio": counts["bytes"]["Hestia"] / counts["bytes"]["STE"]})
+    return pd.DataFrame(out)
+
+
 def export_gguf(model, bed: Bed, path, *, name: str, metadata: dict, ppl_memory: float,
                 n_ternary: int, device) -> dict:
     """Write ``model``'s ternary tensors as TQ2_0 (Q4_0 where a row is shorter than 256) and read
@@ -401,7 +420,7 @@ def schedule_figure(schedules: dict, traces: dict, cfg: M.QATConfig):
     xs = np.arange(cfg.steps)
     for n in traces:
         ax.plot(xs, [schedules[n].temperature(t) for t in xs], color=cmap(norm(logt[n])), lw=1)
-    glob = M.Schedule(cfg.steps, cfg.t0, cfg.compress_ratio)
+    glob = M.Schedule(cfg.steps, cfg.t0, cfg.compress_ratio, decay_style=cfg.decay_style)
     ax.plot(xs, [glob.temperature(t) for t in xs], "k--", lw=1.4, label="global schedule")
     ax.axvline(cfg.compress_ratio * cfg.steps, color="grey", lw=0.8, ls=":",
                label="end of compress")

@@ -149,23 +149,35 @@ def _short(name: str) -> str:
     return name.replace("model.layers.", "").replace("self_attn.", "").replace("mlp.", "")
 
 
-def gradient_spectrum(names, grads, rank: int, seed: int, n_null: int = 8) -> list[dict]:
+def gradient_spectrum(names, grads, rank: int, seed: int, n_null: int = 200,
+                      null_q: float = 0.95) -> list[dict]:
     """Per layer: its singular values (``sv``), the energy in the top ``rank`` and top 1
-    directions, the same after the near-square reshape, and the mean top-``rank`` energy of
-    ``n_null`` Gaussian matrices of the same shape (a generator seeded by ``seed + 99``)."""
+    directions, the same after the near-square reshape, and the top-``rank`` energy of ``n_null``
+    Gaussian matrices of the same shape (a matrix with no structure): their mean
+    (``energy_top_r_null``), their ``null_q`` quantile (``energy_top_r_null_q``) and whether the
+    gradient lies above it (``beats_null``). The null is drawn once per distinct shape, in order
+    of first appearance, from a generator seeded by ``seed + 99``."""
     gnull = torch.Generator().manual_seed(seed + 99)
+    nulls = {}
     spec = []
     for n, g in zip(names, grads):
+        shape = tuple(g.shape)
+        if shape not in nulls:
+            nulls[shape] = np.array([
+                energy_top(torch.linalg.svdvals(torch.randn(shape, generator=gnull,
+                                                            dtype=torch.float64)), rank)
+                for _ in range(n_null)])
+        null = nulls[shape]
         sv = torch.linalg.svdvals(g.double().cpu())
         a, b = near_square(g.numel())
-        null = np.mean([energy_top(torch.linalg.svdvals(torch.randn(g.shape, generator=gnull,
-                                                                    dtype=torch.float64)), rank)
-                        for _ in range(n_null)])
-        spec.append({"layer": _short(n), "shape": tuple(g.shape), "sv": sv.numpy(),
-                     "energy_top_r": energy_top(sv, rank), "energy_top1": energy_top(sv, 1),
+        e = energy_top(sv, rank)
+        q = float(np.quantile(null, null_q))
+        spec.append({"layer": _short(n), "shape": shape, "sv": sv.numpy(),
+                     "energy_top_r": e, "energy_top1": energy_top(sv, 1),
                      "energy_top_r_reshaped": energy_top(
                          torch.linalg.svdvals(g.double().cpu().reshape(a, b)), rank),
-                     "energy_top_r_null": null})
+                     "energy_top_r_null": float(null.mean()), "energy_top_r_null_q": q,
+                     "beats_null": bool(e > q)})
     return spec
 
 

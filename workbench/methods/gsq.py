@@ -37,7 +37,9 @@ Departures, named: logits are float32 (the reference keeps them in bfloat16); th
 sub-block learns q, k, v and o jointly (the reference freezes q_proj and k_proj after a
 per-linear GSQ inside GPTQ, ``prior/gptq.py`` ``fasterquant``, and by default leaves attention
 unquantized, ``self_attn: false``); the GPTQ start is the layer-wise GPTQ of the full-precision
-model (the reference runs GPTQ on the quantized prefix's activations). :func:`optimal_scales`,
+model (the reference runs GPTQ on the quantized prefix's activations). That start is the
+reference's own GPTQ (:func:`gptq_start`): each group's scale searched for the lowest rounding
+error with its sign free, damping 0.1. :func:`optimal_scales`,
 a closed-form scale re-solve, is ours and not the paper's: notebook 14 uses it only as an
 ablation row.
 """
@@ -52,8 +54,10 @@ from torch import nn
 from torch.func import functional_call
 
 from ..quant import Quantized, expand_groups
+from ..quant.gptq import inverse_cholesky
 
-__all__ = ["GSQConfig", "SMOKE_SCHEDULE", "SHIFTS", "LEVELS_2BIT", "candidates", "init_logits",
+__all__ = ["GSQConfig", "SMOKE_SCHEDULE", "SHIFTS", "LEVELS_2BIT", "START_PERCDAMP",
+           "search_scale", "gptq_start", "candidates", "init_logits",
            "schedule", "lr_factor", "Lion", "GumbelQuantizer", "block_mse", "train_subblock",
            "optimal_scales", "layer_inputs", "quantize_model"]
 
@@ -80,6 +84,85 @@ class GSQConfig:
 
 # configs/config_smoke.yaml's endpoints (a pipeline check of two steps), as GSQConfig overrides
 SMOKE_SCHEDULE = {"temperature": (2.0, 0.5), "logit_scale": (10.0, 50.0)}
+
+# gptq.percdamp of every shipped config (configs/**/*.yaml); src/config.py's default 0.01 is
+# overridden by all of them
+START_PERCDAMP = 0.1
+
+
+def search_scale(wg: torch.Tensor, bits: int, norm: float = 2.4, grid: int = 100,
+                 maxshrink: float = 0.8) -> torch.Tensor:
+    """The symmetric scale of each row of ``wg`` (rows, g) as the reference's GPTQ start fits a
+    group (``src/prior/quant.py``, ``Quantizer.find_params`` with ``mse=True``, which
+    ``src/models/base.py`` sets): starting from the absmax scale ``2 max|w| / (2^b - 1)``, try
+    the shrunk scales ``p`` times it for ``p = 1, 0.99, ..., 1 - (grid maxshrink - 1) / grid``,
+    each with both signs, and keep the one with the lowest ``sum |round-to-grid(w) - w|^norm``
+    (the first on ties, the positive sign unless the negative is strictly lower). A negative
+    scale mirrors the asymmetric grid ``-2^(b-1) .. 2^(b-1) - 1``, so a group whose largest
+    weights are positive gets the extra level on their side."""
+    maxq = 2 ** bits - 1
+    zero = (maxq + 1) / 2
+    x = wg.float()
+    xmin = x.amin(1).clamp(max=0)
+    xmax = x.amax(1).clamp(min=0)
+    xmax = torch.maximum(xmin.abs(), xmax)
+    xmin = torch.where(xmin < 0, -xmax, xmin)
+    dead = (xmin == 0) & (xmax == 0)
+    xmin, xmax = torch.where(dead, -1.0, xmin), torch.where(dead, 1.0, xmax)
+    best = torch.full_like(xmax, float("inf"))
+    scale = (xmax - xmin) / maxq
+    for i in range(int(maxshrink * grid)):      # a loop: the (rows, g) tensors stay in cache
+        p = 1 - i / grid
+        s1 = (p * xmax - p * xmin) / maxq
+        errs = []
+        for s in (s1, -s1):
+            c = torch.clamp(torch.round(x / s[:, None]) + zero, 0, maxq)
+            errs.append((s[:, None] * (c - zero) - x).abs().pow(norm).sum(1))
+        neg = errs[1] < errs[0]                     # the negative sign only if strictly better
+        err, chosen = torch.where(neg, errs[1], errs[0]), torch.where(neg, -s1, s1)
+        better = err < best                         # strict: the first shrink wins a tie
+        best, scale = torch.where(better, err, best), torch.where(better, chosen, scale)
+    return scale
+
+
+def gptq_start(w: torch.Tensor, H: torch.Tensor, bits: int, group_size: int = 128,
+               percdamp: float = START_PERCDAMP, blocksize: int = 128) -> Quantized:
+    """GSQ's start as the reference computes it (``src/prior/gptq.py``, ``GPTQ.fasterquant``,
+    called by ``src/models/base.py`` ``get_layer_initialization``): GPTQ (Frantar et al. 2023)
+    with lazy blocks, symmetric groups whose scale comes from :func:`search_scale` on the
+    weights as they stand at the start of the current block (``find_params`` on the outer
+    ``W``), and damping ``percdamp * mean(diag H)`` (0.1 in every config). The rest is
+    :func:`workbench.quant.gptq`'s sweep: dead inputs zeroed, each column's error divided by
+    the Cholesky factor's diagonal and fed forward."""
+    W = w.detach().clone().float()
+    rows, cols = W.shape
+    if cols % group_size:
+        raise ValueError(f"in-features {cols} is not a multiple of group_size {group_size}")
+    H = H.detach().clone().double()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    Hinv = inverse_cholesky(H, percdamp).float()
+    maxq, zero = 2 ** bits - 1, 2.0 ** (bits - 1)
+    codes = torch.zeros(rows, cols, dtype=torch.int16, device=W.device)
+    scales = torch.zeros(rows, cols // group_size, device=W.device)
+    scale = None
+    for i1 in range(0, cols, blocksize):
+        i2 = min(i1 + blocksize, cols)
+        W1, Err1 = W[:, i1:i2].clone(), torch.zeros(rows, i2 - i1, device=W.device)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if col % group_size == 0:               # fit on W (block start), not on W1
+                scale = search_scale(W[:, col:col + group_size], bits)
+                scales[:, col // group_size] = scale
+            c = torch.clamp(torch.round(W1[:, i] / scale) + zero, 0, maxq)
+            codes[:, col] = c.to(torch.int16)
+            err = (W1[:, i] - scale * (c - zero)) / Hinv1[i, i]
+            W1[:, i:] -= err.unsqueeze(1) @ Hinv1[i, i:].unsqueeze(0)
+            Err1[:, i] = err
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]        # lazy batch update of later columns
+    return Quantized(codes, scales, torch.full_like(scales, zero), bits, group_size)
 
 
 def candidates(level0: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,11 +21,15 @@ normalization,
 - **Hessian-aware schedules**: an offline Hutch++ estimate (Meyer, Musco, Musco & Woodruff 2021)
   of a Hessian trace ``chi_i = tr(H_i)`` (computed once on the full-precision model, before QAT)
   gives a sensitivity, and each tensor's temperature is scaled by it (:func:`temperature_scales`).
-  Which tensors share one trace is the ``granularity`` (:func:`trace_groups`): ``"layer"`` (the
-  default of the public ``HessianTraceCalibrator.calibrate`` and ``offline_calibration.py``'s
-  ``run_calibration``) estimates the trace of the first linear of each transformer block and gives
-  it to every linear of that block; ``"tensor"`` is what the public ``QuantConfig`` and shipped
-  ``configs/*.yaml`` set (``calibration_granularity: "tensor"``) and its command line passes on.
+  Which tensors share one trace is the ``granularity`` (:func:`trace_groups`). Every path of the
+  public code computes one trace *per tensor*: ``QuantConfig`` and ``configs/*.yaml`` set
+  ``calibration_granularity: "tensor"``, and its ``"layer"`` mode keys groups by a counter that
+  advances at every linear, so each of its groups is one tensor too. ``"tensor"`` is our default;
+  ``"block"`` (one trace per transformer block, the first linear's, shared) is kept as an option.
+- **Temperature schedule** (``decay_style``, :class:`Schedule`): ``"cosine"`` (the public default
+  and every shipped config) applies the Hessian scale during the constant-temperature phase only
+  (the first 20 % of training); the anneal then restarts from the unscaled start temperature.
+  ``"hessian"`` (the public code's other style) keeps the scale throughout the anneal.
 
 Conventions follow the public code (hestia2026/Hestia, ``src/hestia/thermo_quantizer.py``,
 ``thermo_scheduler.py``, ``hessian/calibrator.py``): per-tensor absmean scale that stays in the
@@ -36,7 +40,7 @@ of ``log chi_i``. Deliberate differences: our schedule reaches ``T = 0`` exactly
 training step (the public cosine stops one step short), so training ends on hard weights; the
 calibration loss is the mean over one batch of blocks instead of the sum of ``num_batches``
 per-batch Hessian-vector products divided by their number (the same Hessian when the batches are
-equal parts of it); and "layer" groups are transformer blocks (see :func:`trace_groups`).
+equal parts of it). The optimizer differs too (:class:`QATConfig`).
 
 Only the linear layers inside the transformer blocks (attention q/k/v/o and MLP gate/up/down) are
 ternary; token embeddings, the (tied) LM head and the RMSNorm gains stay in full precision, as is
@@ -58,8 +62,8 @@ from ..diagnostics import hutchinson_trace, hutchpp
 from ..quant import absmean_ternary, block_linears
 from ..quant import ternary_ste as ste_ternary   # STE baseline: forward Q(W), identity grad
 
-__all__ = ["CODEBOOK", "MODES", "absmean_scale", "hard_ternary", "ternary_state", "ste_ternary",
-           "soft_ternary", "soft_ternary_reference", "soft_ternary_closed_form",
+__all__ = ["CODEBOOK", "MODES", "DECAY_STYLES", "absmean_scale", "hard_ternary", "ternary_state",
+           "ste_ternary", "soft_ternary", "soft_ternary_reference", "soft_ternary_closed_form",
            "optimal_init_temp", "Schedule", "temperature_scales", "GRANULARITIES",
            "trace_groups", "hessian_traces",
            "TernaryLinear", "ternarize", "ternary_layers", "mode_as", "FlipCounter", "relaxed_gap",
@@ -67,7 +71,8 @@ __all__ = ["CODEBOOK", "MODES", "absmean_scale", "hard_ternary", "ternary_state"
 
 CODEBOOK = (-1.0, 0.0, 1.0)
 MODES = ("fp", "ste", "hestia", "hard")
-GRANULARITIES = ("tensor", "layer", "component")
+GRANULARITIES = ("tensor", "layer", "block", "component")
+DECAY_STYLES = ("cosine", "hessian")
 
 
 # -- quantizers --------------------------------------------------------------------------------
@@ -120,13 +125,17 @@ class _Expectation(torch.autograd.Function):
 def soft_ternary(w: torch.Tensor, temp: float, eps: float = 1e-5) -> torch.Tensor:
     """Hestia's relaxed quantizer ``Q_T(W) = gamma * sum_c c softmax_c(-(x - c)^2 / T)`` (eq. 2).
 
-    ``temp <= 0`` is the limit ``T -> 0``: the hard quantizer (with an identity gradient, so a
-    network can keep training on it). ``gamma`` stays in the graph: the gradient is the exact
-    derivative of the forward value (the expectation's own derivative is in :class:`_Expectation`).
+    ``temp <= 0`` is the limit ``T -> 0``: the hard quantizer ``gamma * q`` with the public
+    ``ThermoQuantizer``'s training gradient there, ``W + gamma q - W.detach()``: the identity plus
+    the derivative of the live scale ``gamma`` times the (constant) levels ``q``. The STE baseline
+    (:func:`ste_ternary`) detaches ``gamma``. ``gamma`` stays in the graph: for ``T > 0`` the
+    gradient is the exact derivative of the forward value (the expectation's own derivative is in
+    :class:`_Expectation`).
     """
-    if temp <= 0:
-        return ste_ternary(w)
     gamma = absmean_scale(w, eps)
+    if temp <= 0:
+        q = torch.clamp(torch.round(w.detach() / gamma.detach()), -1, 1)
+        return q * gamma + (w - w.detach())
     return gamma * _Expectation.apply(w / gamma, float(temp))
 
 
@@ -177,14 +186,21 @@ class Schedule:
 
     compress phase (the first ``compress_ratio`` of the steps): pressure rises linearly from 0 to
     1 (the weight is ``lerp(W, Q_T(W), pressure)``) at the constant temperature ``t0 * scale``;
-    anneal phase (the rest): pressure 1 and ``T = t0 * scale * (1 + cos(pi u)) / 2``, ``u`` going
-    from 0 to 1, so the last step has ``T = 0`` exactly (hard weights). ``scale`` is the tensor's
-    temperature scale (1 for the global schedule).
+    anneal phase (the rest): pressure 1 and ``T = t0 * s * (1 + cos(pi u)) / 2``, ``u`` going from
+    0 to 1, so the last step has ``T = 0`` exactly (hard weights). ``scale`` is the tensor's
+    temperature scale (1 for the global schedule); ``s`` depends on ``decay_style``:
+    ``"cosine"`` (the public default) ``s = 1``, so the scale acts in the compress phase only and
+    the anneal restarts from ``t0``; ``"hessian"`` ``s = scale``, the scale throughout.
     """
     steps: int
     t0: float
     compress_ratio: float = 0.2
     scale: float = 1.0
+    decay_style: str = "cosine"
+
+    def __post_init__(self):
+        if self.decay_style not in DECAY_STYLES:
+            raise ValueError(f"decay_style must be one of {DECAY_STYLES}, got {self.decay_style!r}")
 
     def progress(self, step: int) -> float:
         return (step + 1) / self.steps                     # the last step has progress 1
@@ -199,7 +215,8 @@ class Schedule:
         if r <= self.compress_ratio:
             return self.t0 * self.scale
         u = (r - self.compress_ratio) / (1 - self.compress_ratio)
-        return max(0.0, self.t0 * self.scale * 0.5 * (1 + math.cos(math.pi * min(u, 1.0))))
+        s = self.scale if self.decay_style == "hessian" else 1.0
+        return max(0.0, self.t0 * s * 0.5 * (1 + math.cos(math.pi * min(u, 1.0))))
 
 
 def temperature_scales(traces: dict[str, float], kappa: float = 1.0, alpha: float = 0.5,
@@ -228,18 +245,17 @@ def temperature_scales(traces: dict[str, float], kappa: float = 1.0, alpha: floa
 
 # -- trace groups (the estimators, Hutch++ and Hutchinson, are in workbench.diagnostics) -------------------------------------------------------------------------
 
-def trace_groups(names: list[str], granularity: str = "layer") -> dict[str, list[str]]:
+def trace_groups(names: list[str], granularity: str = "tensor") -> dict[str, list[str]]:
     """Which tensors share one trace, as the public ``HessianTraceCalibrator.calibrate`` groups
-    them: ``"tensor"`` one group per tensor; ``"layer"`` one per transformer block (the
-    ``layers.<i>`` in the name); ``"component"`` one per kind of linear (``q_proj`` of every block
-    together). Groups keep the order of ``names``; the *first* tensor of a group is the one whose
-    Hessian block is estimated, and its trace is given to every tensor of the group (the public
-    code calibrates ``modules[0]`` and copies ``final_trace`` to ``_group_modules``).
-
-    The public code means blocks by "layer" (``QuantConfig``: "all Linear layers in same layer
-    share") but keys the groups by ``layer_{counter}`` where ``_convert_model_recursively``
-    advances the counter at every Linear, so there each "layer" group holds one tensor and the
-    result equals ``"tensor"``; we group by block, as its comments describe.
+    them: ``"tensor"`` one group per tensor (``QuantConfig``'s and the shipped configs' setting);
+    ``"layer"`` as the public code keys it, ``layer_{counter}`` with a counter that
+    ``_convert_model_recursively`` advances at every Linear, so each group is one tensor (the same
+    groups as ``"tensor"``); ``"block"`` one per transformer block (the ``layers.<i>`` in the
+    name; what ``QuantConfig``'s comment says "layer" means, not what its code does);
+    ``"component"`` one per kind of linear (``q_proj`` of every block together). Groups keep the
+    order of ``names``; the *first* tensor of a group is the one whose Hessian block is estimated,
+    and its trace is given to every tensor of the group (the public code calibrates
+    ``modules[0]`` and copies ``final_trace`` to ``_group_modules``).
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
@@ -249,8 +265,10 @@ def trace_groups(names: list[str], granularity: str = "layer") -> dict[str, list
         if granularity == "tensor":
             key = n
         elif granularity == "layer":
+            key = f"layer_{len(groups)}"                   # the public per-Linear counter
+        elif granularity == "block":
             idx = [i for i, p in enumerate(parts[:-1]) if p.isdigit()]
-            key = "layer " + (".".join(parts[:idx[0] + 1]) if idx else n)
+            key = "block " + (".".join(parts[:idx[0] + 1]) if idx else n)
         else:
             mod = parts[:-1] if parts[-1] in ("weight", "bias") else parts
             key = mod[-1]
@@ -270,7 +288,7 @@ def _block_hvp(grad: torch.Tensor, param: torch.Tensor):
 
 
 def hessian_traces(model, names: list[str], batches: torch.Tensor, estimator: str = "hutchpp",
-                   granularity: str = "layer", num_sketch: int = 10, num_query: int = 20,
+                   granularity: str = "tensor", num_sketch: int = 10, num_query: int = 20,
                    n_samples: int = 16, seed: int = 0) -> dict[str, float]:
     """Offline sensitivities: the trace of the LM loss's Hessian block on ``batches`` per group of
     :func:`trace_groups`, given to every tensor of ``names`` in the group, on the full-precision
@@ -460,7 +478,14 @@ def directional_check(w: torch.Tensor, mode: str, temp: float, eps: float = 1e-6
 
 @dataclass
 class QATConfig:
-    """Settings shared by every QAT run of a comparison (equal steps, data and optimizer)."""
+    """Settings shared by every QAT run of a comparison (equal steps, data and optimizer).
+
+    The optimizer is AdamW with betas (0.9, 0.95) as the public example
+    (``examples/train_example.sh``), but with no weight decay (there 0.01), no gradient clipping
+    (there 1.0) and a cosine decay to 10 % from the first step (there a 5 % warm-up, then constant,
+    then a cosine decay to 10 % over the last 10 %, its ``wsd`` style); its rate 5e-5 is for 1B
+    models, ours is the scale's.
+    """
     steps: int = 150           # optimizer steps
     batch: int = 8             # sequences per step
     lr: float = 5e-4           # AdamW learning rate (cosine decay to 10 %), no weight decay
@@ -468,6 +493,7 @@ class QATConfig:
     gap_every: int = 5         # Hestia: measure the relaxed-vs-hard gap every this many steps
     t0: float = 0.3509         # Hestia's initial temperature (optimal_init_temp() gives 0.3509)
     compress_ratio: float = 0.2  # Hestia's share of steps with rising pressure
+    decay_style: str = "cosine"  # "cosine" (public default) or "hessian": see Schedule
 
 
 def set_schedule(layers: dict[str, TernaryLinear], schedules: dict[str, Schedule], step: int):
@@ -492,7 +518,7 @@ def qat(model, data: torch.Tensor, cfg: QATConfig, mode: str, scales: dict | Non
     for m in layers.values():
         m.mode = mode
     scheds = {n: Schedule(cfg.steps, cfg.t0, cfg.compress_ratio,
-                          (scales or {}).get(n, 1.0)) for n in layers}
+                          (scales or {}).get(n, 1.0), cfg.decay_style) for n in layers}
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     lr_at = lambda t: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t / cfg.steps))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
