@@ -147,21 +147,61 @@ def test_block_first_token_is_the_causal_prediction():
         seq = torch.tensor([p + out[b].tolist()])
         with torch.no_grad():
             logits = m(input_ids=seq).logits[0]                  # plain causal forward
-        logits[:, 39] = -float("inf")
         for s in range(0, 12, size):                             # each block's first token
-            assert out[b, s] == logits[len(p) + s - 1].argmax()
+            top = logits[len(p) + s - 1].argmax()                # over the whole vocabulary
+            assert top == 39 or out[b, s] == top                 # a mask first token is denoised
 
 
 def test_block_size_one_decoding_is_greedy_ar():
     m = tiny()
-    out, passes = nd.decode_threshold(m, [[1, 5, 7]], 6, 1, mask_id=39)
     seq = [1, 5, 7]
     with torch.no_grad():
         for _ in range(6):
-            lg = m(input_ids=torch.tensor([seq])).logits[0, -1]
-            lg[39] = -float("inf")
-            seq.append(int(lg.argmax()))
+            seq.append(int(m(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+    mask_id = next(t for t in range(39, 0, -1) if t not in seq)    # one greedy never picks
+    out, passes = nd.decode_threshold(m, [[1, 5, 7]], 6, 1, mask_id=mask_id)
     assert out[0].tolist() == seq[3:] and passes == 6
+
+
+class _Fixed(torch.nn.Module):
+    """A stand-in LM: every output is one fixed distribution ``probs`` over the vocabulary."""
+
+    def __init__(self, probs):
+        super().__init__()
+        self.logits = torch.tensor(probs).log()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, **kw):
+        from types import SimpleNamespace
+        return SimpleNamespace(logits=self.logits.expand(*input_ids.shape, -1).clone())
+
+
+def test_threshold_decoder_confidence_is_the_whole_vocabulary_softmax():
+    """The reference's confidence is the top probability of the softmax over the whole vocabulary,
+    the mask token included, never renormalised without it: YuchuanTian/NBDiff
+    ``generation_utils.py``, ``sample_tokens`` L58-90 (L66 ``probs = torch.softmax(logits)``, L75
+    ``confidence, x0 = probs.max(dim=-1)``) as ``diffusion_generate`` calls it, L278-284 (masked
+    positions only, L280; the most confident one, L281, plus every one above the threshold,
+    L282-283). Here token 4 has 0.85 and the mask token (5) 0.10: 0.85 < 0.9, so each pass
+    commits one token (renormalised without the mask, 0.85 / 0.90 > 0.9 would commit the block at
+    once)."""
+    m = _Fixed([0.02, 0.01, 0.01, 0.01, 0.85, 0.10])
+    out, passes = nd.decode_threshold(m, [[1, 2]], 4, 4, mask_id=5, threshold=0.9)
+    assert out.tolist() == [[4, 4, 4, 4]] and passes == 1 + 3       # prefill, one pass a token
+    conf, tok = nd._greedy(m.logits)
+    assert tok == 4 and conf == pytest.approx(0.85)
+    out, passes = nd.decode_threshold(m, [[1, 2]], 4, 4, mask_id=5, threshold=0.8)
+    assert out.tolist() == [[4, 4, 4, 4]] and passes == 1 + 1       # above 0.8: all at once
+
+
+def test_threshold_decoder_mask_token_stays_masked_and_never_stalls():
+    """Where the greedy token is the mask token itself the reference writes it back (L284), so
+    the position stays masked; a row with nothing else to commit would repeat the same pass for
+    ever there, so it commits the top other token at its most confident position."""
+    m = _Fixed([0.05, 0.05, 0.05, 0.05, 0.30, 0.50])
+    out, passes = nd.decode_threshold(m, [[1, 2]], 4, 2, mask_id=5)
+    assert out.tolist() == [[4, 4, 4, 4]]
+    assert passes == 1 + 2 + 1 + 2      # prefill, block 1 (its first token masked), store, block 2
 
 
 def test_nelbo_rows_pool_to_the_bound_on_the_same_noise():

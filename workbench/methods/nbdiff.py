@@ -27,9 +27,11 @@ Decoding, two variants. :func:`decode_threshold` is the reference's (YuchuanTian
 ``generation_utils.py``, ``diffusion_generate`` with ``alg="confidence_threshold"``, greedy):
 a prefill pass writes the first generated token (the causal prediction); in each block every
 pass commits the most confident masked token plus every masked token whose top probability is
-above ``threshold`` (0.9, :func:`threshold_commit`); a committed block is then run once more
-causally, which stores its keys and values in the cache (the reference's ``BlockDynamicCache``
-with ``skip_cache_update=False``) and whose last output writes the next block's first token.
+above ``threshold`` (0.9, :func:`threshold_commit`), probabilities over the whole vocabulary,
+the mask token included, as the reference's ``sample_tokens`` computes them; a committed block is
+then run once more causally, which stores its keys and values in the cache (the reference's
+``BlockDynamicCache`` with ``skip_cache_update=False``) and whose last output writes the next
+block's first token.
 Denoising passes see the cache but do not extend it (the reference concatenates without
 storing; here the cache is cropped back, ``DynamicCache.crop``). :func:`decode` is ours:
 a fixed ``per_pass`` tokens a pass, no causal first token, the whole sequence recomputed every
@@ -369,10 +371,11 @@ def _run(model, x, pos, seen, s: int, e: int, bidir: bool, cache):
     return out.float().cpu()
 
 
-def _greedy(logits: torch.Tensor, mask_id: int):
-    """(confidence, token) of greedy decoding with the mask token never chosen."""
-    logits = logits.clone()
-    logits[..., mask_id] = -float("inf")
+def _greedy(logits: torch.Tensor):
+    """(confidence, token) of greedy decoding as the reference's ``sample_tokens`` at temperature
+    0 (``generation_utils.py`` L58-90: L66, L75): the softmax over the whole vocabulary, the mask
+    token included, and its top probability and token. The mask token is neither removed nor
+    the rest renormalised without it."""
     return logits.softmax(-1).max(-1)
 
 
@@ -381,30 +384,47 @@ def decode_threshold(model, prompt_ids: list[list[int]], gen_len: int, size: int
                      threshold: float = 0.9, use_cache: bool = True, pad_id: int = 0):
     """The reference decoder (YuchuanTian/NBDiff ``generation_utils.py``, ``diffusion_generate``,
     ``alg="confidence_threshold"``, temperature 0, one small block): the prompt's causal pass
-    writes the first token; each block is denoised by :func:`threshold_commit` passes (block
-    bidirectional, committed context causal, AR shift inside the block), then run causally once
-    to store its keys and values (``use_cache``) and write the next block's first token from its
-    last output. ``use_cache=False`` recomputes the prefix in every pass (same tokens, for tests).
-    Departures: the mask token is never chosen; a last partial block is allowed; the last block's
+    writes the first token (L225-240); while any token of the block is masked, a pass over the
+    block (bidirectional, committed context causal) predicts position ``s`` from its own output
+    and every later one from the output before it (L275) and commits by
+    :func:`threshold_commit` (L280-284); a finished block is run causally once to store its keys
+    and values (``use_cache``) and write the next block's first token from its last output
+    (L289-301). Confidences and tokens are :func:`_greedy`'s (the whole vocabulary's softmax), so
+    a committed token may be the mask token itself, which leaves its position masked, as there.
+    ``use_cache=False`` recomputes the prefix in every pass (same tokens, for tests).
+    Departures: a row whose pass would commit only mask tokens (the reference would repeat that
+    pass forever) commits the top token other than the mask at its most confident position; a
+    finished row's block is never rewritten (in a batch the reference's argmax over a row with
+    nothing masked rewrites its first token); a last partial block is allowed; the last block's
     storing pass is skipped (it writes nothing); no stop at ``<eos>``. Prompts left-padded.
     Returns ``(generated ids (B, gen_len), forward passes including the prefill)``."""
     x, L, padn, cols, pos = _left_padded(prompt_ids, gen_len, mask_id, pad_id)
     seen = cols[None] >= padn[:, None]
     cache = DynamicCache() if use_cache else None
-    x[:, L] = _greedy(_run(model, x, pos, seen, 0, L, False, cache)[:, -1], mask_id)[1]
+    x[:, L] = _greedy(_run(model, x, pos, seen, 0, L, False, cache)[:, -1])[1]
     passes = 1
     for s in range(L, L + gen_len, size):
         e = min(s + size, L + gen_len)
-        while (x[:, s + 1:e] == mask_id).any():
-            conf, tokv = _greedy(_run(model, x, pos, seen, s, e, True, cache)[:, :-1], mask_id)
+        while (x[:, s:e] == mask_id).any():
+            out = _run(model, x, pos, seen, s, e, True, cache)
             passes += 1
             if cache is not None:
                 cache.crop(s - e)           # drop the block: the cache holds 0..s-1 again
-            still = x[:, s + 1:e] == mask_id
+            logits = torch.cat([out[:, :1], out[:, :-1]], dim=1)
+            conf, tokv = _greedy(logits)
+            still = x[:, s:e] == mask_id
             pick = threshold_commit(conf, still, threshold)
-            x[:, s + 1:e] = torch.where(pick, tokv, x[:, s + 1:e])
+            stuck = still.any(1) & ~(pick & (tokv != mask_id)).any(1)
+            if stuck.any():                 # only the mask would be committed: its runner-up
+                logits[..., mask_id] = -float("inf")
+                alt = logits.argmax(-1)
+                top = conf.masked_fill(~still, -float("inf")).argmax(1, keepdim=True)
+                tokv = torch.where(stuck[:, None], alt, tokv)
+                pick = torch.where(stuck[:, None],
+                                   torch.zeros_like(still).scatter(1, top, True), pick)
+            x[:, s:e] = torch.where(pick, tokv, x[:, s:e])
         if e < L + gen_len:
-            x[:, e] = _greedy(_run(model, x, pos, seen, s, e, False, cache)[:, -1], mask_id)[1]
+            x[:, e] = _greedy(_run(model, x, pos, seen, s, e, False, cache)[:, -1])[1]
             passes += 1
     return x[:, L:], passes
 
