@@ -89,6 +89,26 @@ def test_runs_sweep_trains_each_method_and_rate_once_and_selects_on_validation(t
     assert moved.key() == runs.key()                                 # the rate is the sweep's
 
 
+def test_train_grpo_runs_trl_without_gradient_checkpointing(monkeypatch):
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def trainer(**kw):                       # stands in for GRPOTrainer: keep the config, go no further
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(X, "GRPOTrainer", trainer)
+    tok = type("Tok", (), {"bos_token": "<s>", "padding_side": "right"})()
+    ex = type("Ex", (), {"prompt": "1+1="})()
+    with pytest.raises(Stop):
+        X.train_grpo(torch.nn.Linear(2, 2), tok, [ex], {}, X.GRPOSettings(steps=3, prompts=1, group=2), "unused")
+    cfg = seen["args"]
+    assert not cfg.activation_checkpointing and not cfg.gradient_checkpointing   # no recompute on 1M weights
+    assert (cfg.max_steps, cfg.num_generations, cfg.per_device_train_batch_size) == (3, 2, 2)
+
+
 def test_final_table_and_paired_intervals_at_the_selected_rates():
     best = {"full": {"lr": 1e-4, "val": 0.6, "test": 0.7, "trainable": 9,
                      "items": {"test": [1.0] * 70 + [0.0] * 30}},
