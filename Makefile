@@ -11,7 +11,7 @@ PYTEST := $(PY) -m pytest -p no:cacheprovider
 # two workers, one per core; --dist loadfile keeps each notebook's cells in one kernel, in order
 XDIST := -n 2 --dist loadfile
 
-.PHONY: run test test-other-cpu test-fast test-own-model zoo chromium book lab list new clean-notebooks clean
+.PHONY: run test test-other-cpu test-fast test-own-model gpu-check zoo chromium book lab list new clean-notebooks clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,7 @@ zoo: $(STAMP)  ## the zoo models the notebooks use, copied (or built) once into 
 test: zoo  ## unit tests, batch tests, every notebook under nbval with strict claims, then test-other-cpu
 	$(PYTEST) $(XDIST) tests notebooks --nbval-lax --nbval-current-env -m "not architectures"
 	$(MAKE) test-other-cpu
+	$(MAKE) gpu-check DEVICE=cpu
 
 # Every user's CPU rounds differently: torch picks its kernels by the CPU's vector width and MKL
 # its own code path. The fast suite and the shipped-card rebuild run again on torch's portable
@@ -47,6 +48,14 @@ test-other-cpu: zoo  ## the fast suite and the lm-tiny rebuild on another CPU co
 # each builds its fine-tunes and pool first, so this takes hours on 2 cores (not in CI)
 test-own-model: zoo  ## the four-architecture runs of tests/test_own_model.py
 	$(PYTEST) tests/test_own_model.py -m architectures
+
+# every notebook at smoke on the GPU, then 07 and 13 at full, measured against `workbench plan`
+# (benchmarks/gpu_check.py; WRITE=--write records the table in docs/benchmarks.md). DEVICE=cpu:
+# 13 at smoke under the device audit, against the plan's CPU figure (in `make test`)
+DEVICE ?=
+WRITE ?=
+gpu-check: zoo  ## notebooks on the GPU against the plan's estimate, with the device audit
+	$(PY) benchmarks/gpu_check.py $(if $(DEVICE),--device $(DEVICE)) $(WRITE)
 
 test-fast: $(STAMP)  ## unit tests only: no notebooks, nothing marked slow (under a minute)
 	$(PYTEST) $(XDIST) tests -m "not slow"

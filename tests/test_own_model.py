@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-from transformers import MistralConfig, MistralForCausalLM
+from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from workbench import batch, cli, evaluate, runtime
 from workbench.experiments import hint_tuning
@@ -353,3 +353,27 @@ def test_a_re_saved_zoo_model_gives_the_zoo_names_numbers(tmp_path, capsys):
     assert len(keys) > 20
     assert {k: a["metrics"][k] for k in keys} == {k: b["metrics"][k] for k in keys}
     assert [c["holds"] for c in a["claims"]] == [c["holds"] for c in b["claims"]]
+
+
+@pytest.mark.slow
+@pytest.mark.notebook
+def test_a_qwen3_runs_through_notebook_05(tmp_path, capsys, monkeypatch):
+    """Beyond the four architectures: a random Qwen3 with lm-base's tokenizer and widths, its
+    own head_dim (q/k norms, a head_dim other than hidden / heads) and grouped-query attention,
+    through 05 at smoke end to end (it builds nothing: about a minute on 2 cores)."""
+    base, tok = zoo.load("lm-base")
+    c = base.config
+    torch.manual_seed(0)
+    qwen3 = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=48,
+        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id))
+    d = _save(qwen3, tok, tmp_path / "my-qwen3")
+    rc = run_notebook("05-lora-bottleneck-rank", d, tmp_path / "run", strict=False,
+                      monkeypatch=monkeypatch)
+    text = capsys.readouterr()
+    assert rc == 0, text.out[-3000:] + text.err[-3000:]
+    m = json.loads(next((tmp_path / "run").rglob("metrics.json")).read_text())
+    assert m["params"]["model"] == str(d) and m["claims"]

@@ -408,8 +408,11 @@ def block_features(model, batch: dict, layer: int = -1) -> dict:
         hook.remove()
     if out.attentions is None or out.attentions[layer] is None:
         raise RuntimeError("attention weights missing: call model.set_attn_implementation('eager')")
-    return {"x": got["x"].double(), "attn": out.attentions[layer].double(),
-            "wo": attn.o_proj.weight.detach().double(), "heads": model.config.num_attention_heads}
+    cfg, wo = model.config, attn.o_proj.weight.detach().double()
+    heads = cfg.num_attention_heads
+    return {"x": got["x"].double(), "attn": out.attentions[layer].double(), "wo": wo,
+            "heads": heads, "kv_heads": getattr(cfg, "num_key_value_heads", None) or heads,
+            "head_dim": wo.shape[1] // heads, "k_out": attn.k_proj.weight.shape[0]}
 
 
 def attention_bases(feats: dict, labels: torch.Tensor, rtol: float = RTOL) -> dict:
@@ -420,8 +423,9 @@ def attention_bases(feats: dict, labels: torch.Tensor, rtol: float = RTOL) -> di
     - key: rowspace of the per-sequence centered X_F (softmax row-shift invariance; exact for
       position-independent keys, not under a rotary embedding, which turns a constant key shift
       into a position-dependent one);
-    - value, head h: rowspace of (A_h X) at S (attention weighting), its rank capped by the
-      frozen output projection block's rank: the bound for a per-head regularizer
+    - value, head h: rowspace of (A_h X) at S (attention weighting; under grouped-query
+      attention, the sum of those of the query heads that share key-value head h), its rank
+      capped by the frozen output projection block's rank: the bound for a per-head regularizer
       (sum_h ||D_h||_*) or plain gradient steps. The whole-matrix trace norm's prox mixes the
       heads' rows, so its minimizer's rows lie in the sum of these spaces ("value").
     """
@@ -431,12 +435,14 @@ def attention_bases(feats: dict, labels: torch.Tensor, rtol: float = RTOL) -> di
     xf = x[f]
     out = {"generic": row_basis(xf, rtol), "query": row_basis(x[s], rtol),
            "key": row_basis(centered(xf, seq[f]), rtol)}
-    heads, dh = feats["heads"], x.shape[-1] // feats["heads"]
-    out["value_heads"], zs = [], []
-    for h in range(heads):
-        z = (a[:, h] @ x)[s]                                    # (|S|, d): sum_j A_ij x_j
-        zs.append(z)
-        out["value_heads"].append(row_basis(z, rtol))
+    heads = feats["heads"]
+    dh = feats.get("head_dim", feats["wo"].shape[1] // heads)
+    kv = feats.get("kv_heads", heads)
+    zs = [(a[:, h] @ x)[s] for h in range(heads)]               # (|S|, d): sum_j A_ij x_j
+    # a value head is read by its group of query heads (grouped-query attention: heads / kv)
+    group = heads // kv
+    out["value_heads"] = [row_basis(torch.cat(zs[g * group:(g + 1) * group]), rtol)
+                          for g in range(kv)]
     out["value"] = row_basis(torch.cat(zs), rtol)
     out["ranks"] = {"generic": out["generic"].shape[1], "query": out["query"].shape[1],
                     "key": out["key"].shape[1], "value": out["value"].shape[1],
@@ -536,6 +542,6 @@ def constant_key_update(feats: dict, labels: torch.Tensor, row: int = 0,
     b = row_basis(xc)
     mean = x.mean(0)
     v = mean - b @ (b.T @ mean)                          # the part of the mean outside span(X_c)
-    c = torch.randn(feats["wo"].shape[1], generator=generator, dtype=torch.float64).to(
-        feats["wo"].device)
+    c = torch.randn(feats.get("k_out", feats["wo"].shape[1]), generator=generator,
+                    dtype=torch.float64).to(feats["wo"].device)
     return torch.outer(c, v) / float(v @ mean)
