@@ -199,6 +199,45 @@ def test_the_poincare_head_ranks_as_the_cosine_head():
     assert s["cosine_0.95_over_0"] == pytest.approx(1.0) and s["poincare_0.95_over_0"] > 1.5
 
 
+def test_restrict_to_all_images_gives_the_runs_metrics():
+    bed = _bed()
+    r = ex.compare_methods(bed, S, 20.0, seed=0, variant="output")[0]["hdca"]
+    y = bed["y_te"].numpy()
+    whole = ex.restrict(r, np.arange(len(y)), y, bed["splits"])
+    assert whole["curve"] == pytest.approx(r["curve"])
+    np.testing.assert_allclose(whole["table"], r["table"])
+    for k in ex.METRICS:
+        assert whole[k] == pytest.approx(r[k])
+
+
+def test_selection_bed_holds_out_training_images_per_class():
+    bed = _bed()
+    sel = ex.selection_bed(bed, 0.25, seed=3)
+    n = len(bed["y_tr"])
+    assert sel["n_val"] == 6 * 2 and len(sel["y_tr"]) == n - sel["n_val"]
+    assert len(sel["y_te"]) == sel["n_val"] + len(bed["y_te"])
+    assert torch.equal(sel["y_te"][sel["n_val"]:], bed["y_te"])           # the test rows, after
+    assert torch.equal(sel["f_te"][sel["n_val"]:], bed["f_te"])
+    held = sel["f_te"][: sel["n_val"]]
+    # a held-out image is not trained on: no row of the kept training set equals it
+    assert not (torch.cdist(held, sel["f_tr"]) < 1e-7).any()
+    assert np.bincount(sel["y_te"][: sel["n_val"]].numpy()).tolist() == [2] * 6
+    assert torch.equal(ex.selection_bed(bed, 0.25, seed=3)["f_tr"], sel["f_tr"])  # seeded
+
+
+def test_tuned_ablation_picks_each_arms_curvature_on_validation():
+    bed = _bed()
+    out = ex.tuned_ablation(bed, S, 20.0, 0, [1.0, 64.0], "cosine", variant="output", frac=0.25)
+    per, both = out["per-task"], out["both"]
+    vals = out["val_avg"]
+    assert per["c_task"] == max(vals["per-task"], key=vals["per-task"].get) and per["c_cum"] == 0
+    assert both["c_task"] == per["c_task"] and both["c_cum"] in (1.0, 64.0)
+    assert both["c_cum"] == max(vals["both"], key=vals["both"].get)
+    assert per["val"]["avg_incremental"] == vals["per-task"][per["c_task"]]
+    assert per["test"]["correct"].shape[1] == len(bed["y_te"])
+    assert per["val"]["correct"].shape[1] == out["n_val"]
+
+
 def test_curvature_sweep_has_one_row_per_curvature():
     sweep = ex.curvature_sweep(_bed(), S, 20.0, 0, [1.0, 64.0], "output")
     assert list(sweep.index) == [1.0, 64.0] and list(sweep.columns) == list(ex.METRICS)

@@ -167,3 +167,46 @@ def test_throughput_alternates_the_paths_and_pairs_each_repeat(monkeypatch):
     assert order == ["s", "h"] + ["s", "h", "h", "s", "s", "h", "h", "s"]    # warm-up, then ABBA
     assert len(t) == 4 and np.allclose(t["single peft LoRA"], 8.0)           # 8 tokens in 1 s
     assert np.allclose(t["ratio"], t["HiLoRA"] / t["single peft LoRA"])
+
+
+def test_cpu_interleaved_alternates_and_reads_process_time(monkeypatch):
+    order = []
+    clock = iter(np.arange(0, 100, 2.0))
+    monkeypatch.setattr(X.time, "process_time", lambda: next(clock))
+    fake = {"a": lambda: order.append("a"), "b": lambda: order.append("b")}
+    t = X._cpu_interleaved(fake, 2)
+    assert order == ["a", "b", "a", "b", "b", "a"]                           # warm-up, then ABBA
+    assert list(t.columns) == ["a", "b"] and np.allclose(t.to_numpy(), 2.0)
+
+
+def test_wide_bed_carries_the_pools_lora_shapes_and_routes_through_the_same_hooks():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_hilora import _char_tokenizer
+    from tiny_models import tiny_llama_two_loras
+    from workbench.methods import hilora as hl
+    base, peft = tiny_llama_two_loras()
+    tok = _char_tokenizer("abcdefgh")
+    base.config.vocab_size = len(tok)
+    for k in ("bos", "eos", "pad"):
+        setattr(base.config, f"{k}_token_id", getattr(tok, f"{k}_token_id"))
+    bed = SimpleNamespace(lm=base, peft_model=peft, tok=tok, rank=4, n_all=3, pool_families=["t0", "t1"])
+    wb = X.wide_bed(bed, hidden=32, intermediate=48, layers=1, heads=4, seed=0)
+    assert wb.lm.config.hidden_size == 32 and wb.config["targets"] == ["down_proj", "q_proj", "v_proj"]
+    assert wb.hooks.n == 3 and wb.hooks.rank == 4 and len(wb.hooks.handles) == 3    # one layer
+    w = np.array([[1.0, 0, 0], [0.5, 0.5, 0]])
+    k = np.array([[4, 0, 0], [2, 2, 0]])
+    out = X.wide_cost(wb, ["abc", "hgfe"], w, k, new_tokens=3, repeats=2, temperature=1.0,
+                      threshold=0.9, k_max=2, budget=4, n_gauss=2)
+    assert len(out["seconds"]) == 2 and (out["seconds"]["ratio"] > 0).all()
+    f = out["flops_per_token"]
+    assert f["HiLoRA"] > f["single peft LoRA"] > 0                  # the routing forward costs FLOPs
+    assert out["flop_ratio"] == f["single peft LoRA"] / f["HiLoRA"]
+    # the same hooks route the wide model: a LoRA's gates open, its update moves the logits
+    ids = torch.tensor([[tok.bos_token_id, 3, 4, 5]])
+    wb.hooks.set_gates(np.array([[0.0, 1.0, 0.0]]), np.array([[0, 4, 0]]))
+    with torch.no_grad():
+        hooked = wb.lm(input_ids=ids).logits
+    wb.hooks.off()
+    assert not torch.allclose(hooked, wb.lm(input_ids=ids).logits)

@@ -61,6 +61,8 @@ def test_gaussian_loglik_matches_scipy():
     for j, (mu, cov) in enumerate(gs):
         assert np.allclose(ll[:, j], multivariate_normal(mu, cov).logpdf(q))
     assert np.isfinite(hl.log_likelihoods(q, hl.fit_gaussians([xs[0][:2]]))).all()   # n = 2 < d
+    # factored once (fit time), the same likelihoods from a triangular solve per input
+    assert np.allclose(hl.log_likelihoods(q, hl.factor_gaussians(gs)), ll)
 
 
 def test_selection_picks_the_generating_component():

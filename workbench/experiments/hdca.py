@@ -16,8 +16,10 @@ What the notebook drives around the method (:mod:`workbench.methods.hdca`):
   method CLIP class-incremental papers tabulate), the replay adapter (a reference: it stores
   exemplars), HDCA and the compression ablation (:data:`ABLATION`) from one seeded initialisation
   (:func:`new_adapter`, :func:`compare_methods`, :func:`ablation_runs`), the curvature sweep
-  (:func:`curvature_sweep`), and paired bootstrap intervals of HDCA's gains over the same test
-  images (:func:`item_scores`, :func:`paired_gains`);
+  (:func:`curvature_sweep`), the ablation with each arm's curvature chosen on a validation split
+  of the training images (:func:`selection_bed`, :func:`restrict`, :func:`tuned_ablation`), and
+  paired bootstrap intervals of HDCA's gains over the same test images (:func:`item_scores`,
+  :func:`paired_gains`);
 - the diagnostics of C1 and C2: the trained per-task residuals scaled up and compressed
   (:func:`residual_growth`), and the Poincare head's ranking against the cosine head's on the
   adapted features with the heads' slope ratios (:func:`ranking_agreement`,
@@ -51,7 +53,7 @@ from ..models import clip
 __all__ = ["ABLATION", "METRICS", "VARIANTS", "EXEMPLAR_FREE", "session_splits",
            "encoder_inputs", "family_bed", "train_session", "accuracy", "cil_metrics",
            "run_sessions", "curvatures", "new_adapter", "compare_methods", "ablation_runs",
-           "curvature_sweep", "item_scores", "paired_gains", "beats", "residual_growth",
+           "curvature_sweep", "selection_bed", "restrict", "tuned_ablation", "item_scores", "paired_gains", "beats", "residual_growth",
            "ranking_agreement", "slope_ratios", "residual_plane", "compression_figure"]
 
 # the C4 ablation: which compression stage is on (per-task c, cumulative c) as 0 / 1 factors
@@ -60,7 +62,8 @@ METRICS = ("avg_incremental", "last", "forgetting")     # PyCIL's three, as in e
 # where the adapter sits: inside the image encoder (the paper's placement) or on its output
 VARIANTS = {"encoder": "in-encoder (branch beside the MLP of the last blocks)",
             "output": "output embedding (after the frozen encoder)"}
-EXEMPLAR_FREE = ("zero-shot", "seq-ft", "lwf")          # C3's verdict; replay is a reference
+EXEMPLAR_FREE = ("zero-shot", "seq-ft", "lwf")          # C3's rivals; replay is a reference
+CONTINUAL = ("seq-ft", "lwf")      # the rivals that adapt: C3 asks HDCA to forget less than these
 
 
 # -- the class-incremental bed ------------------------------------------------------------------
@@ -343,6 +346,71 @@ def curvature_sweep(bed: dict, S: dict, scale: float, seed: int, cs, variant: st
     sweep = pd.DataFrame(sweep).T
     sweep.index.name = "c"
     return sweep
+
+
+def selection_bed(bed: dict, frac: float, seed: int) -> dict:
+    """``bed`` with a seeded ``frac`` of each class's training images held out for selection:
+    the adapters train on the rest, and the "test" rows are the held-out images (the first
+    ``n_val``) followed by the test images, so one run scores both (:func:`restrict`)."""
+    g = np.random.default_rng([seed, 707])
+    y = bed["y_tr"].numpy()
+    val = np.zeros(len(y), bool)
+    for k in np.unique(y):
+        idx = np.flatnonzero(y == k)
+        val[g.choice(idx, max(1, int(round(frac * len(idx)))), replace=False)] = True
+    keep, held = torch.as_tensor(~val), torch.as_tensor(val)
+    out = dict(bed)
+    for key in ("f", "h") if "h_tr" in bed else ("f",):
+        out[f"{key}_tr"] = bed[f"{key}_tr"][keep.to(bed[f"{key}_tr"].device)]
+        out[f"{key}_te"] = torch.cat([bed[f"{key}_tr"][held.to(bed[f"{key}_tr"].device)],
+                                      bed[f"{key}_te"]])
+    out["y_tr"], out["y_te"] = bed["y_tr"][keep], torch.cat([bed["y_tr"][held], bed["y_te"]])
+    out["n_val"] = int(val.sum())
+    return out
+
+
+def restrict(run: dict, cols: np.ndarray, y: np.ndarray, splits) -> dict:
+    """A run of :func:`run_sessions` scored on the images ``cols`` only (labels ``y`` of all its
+    images): ``correct``, the accuracy table, the curve and PyCIL's metrics of that subset."""
+    c = run["correct"][:, cols]
+    y = np.asarray(y)[cols]
+    T = len(splits)
+    table = np.full((T, T), np.nan)
+    for t in range(T):
+        for k in range(t + 1):
+            table[k, t] = float(np.mean(c[t, np.isin(y, splits[k])]))
+    curve = [float(np.nanmean(c[t])) for t in range(T)]
+    return {"table": table, "curve": curve, **cil_metrics(table, curve), "correct": c}
+
+
+def tuned_ablation(bed: dict, S: dict, scale: float, seed: int, grid, head: str,
+                   variant: str = "encoder", frac: float = 0.2) -> dict:
+    """C4 with each arm at its own curvature, chosen on validation (:func:`selection_bed`: a
+    held-out ``frac`` of the training images, never the test images) by average incremental
+    accuracy over ``grid`` (in :func:`curvatures`' units): "per-task" picks ``c_task``; "both"
+    keeps that ``c_task`` and picks ``c_cum`` (never 0). Per arm: the chosen curvatures, its
+    validation and test runs (:func:`restrict`); and every grid point's validation accuracy."""
+    sel = selection_bed(bed, frac, seed)
+    y, n_val = sel["y_te"].numpy(), sel["n_val"]
+    cols = {"val": np.arange(n_val), "test": np.arange(n_val, len(y))}
+
+    def arm(ct, cc):
+        ad = new_adapter(sel, variant, S["rank"], seed, True, *curvatures(S, variant, ct, cc))
+        r = _session_run(sel, variant, ad, head, S, scale, seed)
+        return {part: restrict(r, c, y, sel["splits"]) for part, c in cols.items()}
+
+    def best(runs):                     # the first grid point on a tie
+        return max(runs, key=lambda c: runs[c]["val"]["avg_incremental"])
+
+    per = {c: arm(c, 0.0) for c in grid}
+    ct = best(per)
+    both = {c: arm(ct, c) for c in grid}
+    cc = best(both)
+    return {"per-task": {"c_task": ct, "c_cum": 0.0, **per[ct]},
+            "both": {"c_task": ct, "c_cum": cc, **both[cc]},
+            "val_avg": {"per-task": {c: r["val"]["avg_incremental"] for c, r in per.items()},
+                        "both": {c: r["val"]["avg_incremental"] for c, r in both.items()}},
+            "n_val": n_val}
 
 
 def item_scores(run: dict) -> dict:

@@ -18,13 +18,19 @@ The method (ROCs, the Gaussians, selection, allocation, the routed hooks) is
   :func:`c3_intervals`: C3 as paired-bootstrap intervals over the same unseen prompts;
 - :func:`throughput`, :func:`flops_per_token`, :func:`active_rocs`: tokens/s of routed
   generation against one ``peft`` LoRA in alternating repeats, and floating-point operations
-  per generated token (C4), and which ROCs a prompt switches on;
+  per generated token, on the zoo model; and which ROCs a prompt switches on;
+- :func:`wide_bed`, :func:`routing_gates`, :func:`wide_cost`: the same two paths on a random Llama of realistic width
+  (the pool's LoRA shapes, seeded random factors, the same hooks and the notebook's routing),
+  where matrix products dominate a step as on the paper's LLMs: CPU seconds of each path in
+  alternating repeats, and FLOPs per generated token (C4);
 - :func:`selection_variants`, :func:`at_threshold`, :func:`threshold_curve`,
   :func:`threshold_figure`: the explorer over the selection threshold (each prompt scored once per
   number of selected LoRAs, so any threshold's accuracy is a lookup).
 """
 from __future__ import annotations
 
+import copy
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,7 +49,7 @@ __all__ = ["Bed", "load_bed", "lora_equivalence", "train_inputs", "fit_and_eval_
            "method_gates", "longest_answer", "score", "method_scores", "unseen_domains",
            "unseen_table", "lorahub_shots", "lorahub_scores", "unseen_weights", "domain_accuracy",
            "unseen_items",
-           "c3_intervals", "flops_per_token",
+           "c3_intervals", "flops_per_token", "WideBed", "wide_bed", "routing_gates", "wide_cost",
            "budget_sweep", "throughput", "active_rocs", "summary", "selection_variants",
            "at_threshold", "threshold_curve", "threshold_figure"]
 
@@ -386,6 +392,129 @@ def flops_per_token(bed: Bed, prompts: list[str], gauss: list, new_tokens: int,
     d = len(gauss[0][0])
     out["HiLoRA"] += len(gauss) * (d ** 3 / 3 + len(prompts) * (d ** 2 + 2 * d))
     return {name: f / (len(prompts) * new_tokens) for name, f in out.items()}
+
+
+@dataclass
+class WideBed:
+    """A random Llama of realistic width carrying the pool's LoRA shapes: ``lm`` (plain, with
+    ``hooks`` over ``n`` seeded random LoRAs of rank ``rank``) and ``peft_model`` (a copy with one
+    such LoRA, unmerged, as ``peft`` serves it)."""
+    lm: object
+    peft_model: object
+    hooks: hl.RocHooks
+    tok: object
+    rank: int
+    n: int
+    config: dict
+
+
+def wide_bed(bed: Bed, hidden: int, intermediate: int, layers: int, heads: int,
+             seed: int = 0) -> WideBed:
+    """C4's model where matrix products dominate: the zoo LM's architecture and tokenizer at
+    ``hidden`` / ``intermediate`` width with ``layers`` blocks, seeded random weights, and
+    ``bed.n_all`` random LoRAs of the pool's rank on the pool's target projections (what costs
+    time does not depend on the weights' values: the routing decisions come from the pool)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    cfg = copy.deepcopy(bed.lm.config)
+    cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers = hidden, intermediate, layers
+    cfg.num_attention_heads = cfg.num_key_value_heads = heads
+    cfg.head_dim = hidden // heads
+    torch.manual_seed(seed)
+    lm = AutoModelForCausalLM.from_config(cfg).to(bed.lm.device).eval()
+    targets = sorted({n.rsplit(".", 1)[-1] for n in hl.lora_factors(bed.peft_model, bed.pool_families[0])})
+    g = torch.Generator().manual_seed(seed + 1)
+    mods = {n: m for n, m in lm.named_modules()
+            if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in targets}
+    factors = [{n: ((torch.randn(m.out_features, bed.rank, generator=g) * 0.02).to(lm.device),
+                    (torch.randn(bed.rank, m.in_features, generator=g) / m.in_features ** 0.5).to(lm.device))
+                for n, m in mods.items()} for _ in range(bed.n_all)]
+    single = get_peft_model(copy.deepcopy(lm), LoraConfig(r=bed.rank, lora_alpha=2 * bed.rank,
+                                                           target_modules=targets)).eval()
+    with torch.no_grad():
+        for n, m in single.named_modules():
+            if hasattr(m, "lora_B") and "default" in m.lora_B:
+                m.lora_B["default"].weight.normal_(0, 0.02, generator=g)
+    hooks = hl.RocHooks(lm, factors)
+    n_params = sum(p.numel() for p in lm.parameters())
+    return WideBed(lm, single, hooks, bed.tok, bed.rank, bed.n_all,
+                   {"hidden": hidden, "intermediate": intermediate, "layers": layers,
+                    "heads": heads, "params": n_params, "targets": targets})
+
+
+def _cpu_interleaved(fns: dict, repeats: int, cuda: bool = False, warmup: int = 1) -> pd.DataFrame:
+    """As :func:`workbench.costs.interleaved` (ABBA order, after ``warmup`` untimed calls), but
+    in the process's CPU seconds (other jobs' load does not enter them; torch runs on the
+    threads the run set), or in synchronized wall seconds when ``cuda``."""
+    def clock():
+        if cuda:
+            torch.cuda.synchronize()
+            return time.perf_counter()
+        return time.process_time()
+    from threadpoolctl import threadpool_limits
+    rows, names = [], list(fns)
+    with threadpool_limits(torch.get_num_threads()):    # numpy's BLAS on torch's threads
+        for _ in range(warmup):
+            for fn in fns.values():
+                fn()
+        for i in range(repeats):
+            row = {}
+            for name in (names if i % 2 == 0 else names[::-1]):
+                t0 = clock()
+                fns[name]()
+                row[name] = clock() - t0
+            rows.append(row)
+    return pd.DataFrame(rows, columns=names)
+
+
+def routing_gates(bed: Bed, prompts: list[str], gauss: list, temperature: float,
+                  threshold: float, k_max: int, budget: int) -> tuple[np.ndarray, np.ndarray]:
+    """HiLoRA's sequence-level routing of ``prompts`` on the zoo model (features, likelihoods,
+    selection, allocation), as (n, ``bed.n_all``) gates ``w, k`` for :func:`wide_cost`."""
+    bed.hooks.off()
+    x = hl.prompt_features(bed.lm, bed.tok, prompts)
+    p = hl.posterior(hl.log_likelihoods(x, gauss), temperature)
+    m = hl.select(p, threshold, k_max)
+    return (pad_pool(m.astype(float), bed.n_all),
+            pad_pool(hl.allocate(p, m, budget, bed.rank), bed.n_all))
+
+
+def wide_cost(wb: WideBed, prompts: list[str], w: np.ndarray, k: np.ndarray, temperature: float,
+              threshold: float, k_max: int, budget: int, *, new_tokens: int, repeats: int,
+              n_gauss: int, n_fit: int = 32, seed: int = 0) -> dict:
+    """C4 at width: one unmerged ``peft`` LoRA against HiLoRA's full path on :func:`wide_bed`'s
+    model: the routing forward for the features (``d`` = hidden), the likelihoods of ``d``-dim
+    Gaussians, one per pool LoRA (``n_gauss``, fitted on seeded random features: their cost, not
+    their values, matters here; factored once at fit time, so a prompt costs a triangular solve),
+    selection and allocation, then the hooked generation under the notebook's routing of these
+    prompts (``w``, ``k``: (n, N) gates). Returns per repeat the seconds of each path
+    (:func:`_cpu_interleaved`) and the ratio of throughputs (single / HiLoRA seconds), and the
+    FLOPs per generated token of each path (:func:`flops_per_token`'s count) and their ratio."""
+    d = wb.lm.config.hidden_size
+    rng = np.random.default_rng([seed, 77])
+    gauss = hl.factor_gaussians(hl.fit_gaussians([rng.standard_normal((n_fit, d))
+                                                  + rng.standard_normal(d) for _ in range(n_gauss)]))
+
+    def single_lora():
+        return hl.generate_routed(wb.peft_model, wb.tok, prompts, None,
+                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+
+    def hilora_path():
+        wb.hooks.off()
+        x = hl.prompt_features(wb.lm, wb.tok, prompts)
+        p = hl.posterior(hl.log_likelihoods(x, gauss), temperature)
+        m = hl.select(p, threshold, k_max)
+        hl.allocate(p, m, budget, wb.rank)              # computed, as the path does; the pool's
+        return hl.generate_routed(wb.lm, wb.tok, prompts, wb.hooks, w, k,   # routing decides
+                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    paths = {"single peft LoRA": single_lora, "HiLoRA": hilora_path}
+    secs = _cpu_interleaved(paths, repeats, cuda=next(wb.lm.parameters()).is_cuda)
+    secs["ratio"] = secs["single peft LoRA"] / secs["HiLoRA"]
+    n_tok = len(prompts) * new_tokens
+    flops = {name: costs.flops(fn) / n_tok for name, fn in paths.items()}
+    flops["HiLoRA"] += len(gauss) * len(prompts) * (d ** 2 + 2 * d) / n_tok   # the solves
+    return {"seconds": secs, "flops_per_token": flops,
+            "flop_ratio": flops["single peft LoRA"] / flops["HiLoRA"]}
 
 
 def active_rocs(bed: Bed, gates: tuple, mask: np.ndarray, prompts: list[str],

@@ -32,7 +32,8 @@ from sklearn.covariance import LedoitWolf
 
 from .. import evaluate
 
-__all__ = ["lora_factors", "rocs", "prompt_features", "fit_gaussians", "log_likelihoods",
+__all__ = ["lora_factors", "rocs", "prompt_features", "fit_gaussians", "factor_gaussians",
+           "log_likelihoods",
            "posterior", "select", "allocate", "RocHooks", "whole_gates", "generate_routed"]
 
 # -- ROCs of a peft LoRA -------------------------------------------------------------------------
@@ -87,14 +88,32 @@ def fit_gaussians(groups: list[torch.Tensor], ridge: float = 1e-3) -> list[tuple
     return out
 
 
+def factor_gaussians(gaussians) -> list[tuple[np.ndarray, np.ndarray, float]]:
+    """The Gaussians factored once, as a deployment does at fit time: (mean, Cholesky factor L,
+    log det Sigma) each. :func:`log_likelihoods` takes them in place of (mean, covariance) and
+    then needs only a triangular solve per input."""
+    out = []
+    for mu, cov in gaussians:
+        L = np.linalg.cholesky(cov)
+        out.append((mu, L, float(2 * np.log(np.diag(L)).sum())))
+    return out
+
+
 def log_likelihoods(x, gaussians) -> np.ndarray:
-    """log N(x; mu_j, Sigma_j) for every row of x and every Gaussian: (n, N), by Cholesky."""
+    """log N(x; mu_j, Sigma_j) for every row of x and every Gaussian: (n, N), by Cholesky.
+    ``gaussians``: (mean, covariance) pairs, factored here, or :func:`factor_gaussians`' triples."""
+    from scipy.linalg import solve_triangular
     x = np.asarray(x, dtype=np.float64)
     out = np.empty((len(x), len(gaussians)))
-    for j, (mu, cov) in enumerate(gaussians):
-        L = np.linalg.cholesky(cov)
-        z = np.linalg.solve(L, (x - mu).T)                       # L^-1 (x - mu)
-        logdet = 2 * np.log(np.diag(L)).sum()
+    for j, g in enumerate(gaussians):
+        if len(g) == 3:
+            mu, L, logdet = g
+            z = solve_triangular(L, (x - mu).T, lower=True)       # L^-1 (x - mu)
+        else:
+            mu, cov = g
+            L = np.linalg.cholesky(cov)
+            z = np.linalg.solve(L, (x - mu).T)
+            logdet = 2 * np.log(np.diag(L)).sum()
         out[:, j] = -0.5 * ((z ** 2).sum(0) + logdet + x.shape[1] * np.log(2 * np.pi))
     return out
 
