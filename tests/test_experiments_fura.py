@@ -217,3 +217,40 @@ def test_task_data_draws_a_test_set_outside_the_cache_key(monkeypatch):
 def test_task_data_eval_names_carry_the_validation_split_only_when_drawn():
     assert "val" not in _data(val=False).eval_names()                 # old cache keys unchanged
     assert _data().eval_names()["val"] == ["v1"]
+
+
+class _Logits(nn.Module):
+    """Next-token logits: uniform over ``vocab``, or (``oracle``) peaked on a fixed next token."""
+
+    def __init__(self, vocab: int, oracle: dict | None = None):
+        super().__init__()
+        self.vocab, self.oracle = vocab, oracle or {}
+        self.w = nn.Parameter(torch.zeros(()))
+
+    def forward(self, input_ids):
+        logits = torch.zeros(*input_ids.shape, self.vocab) + self.w
+        for (row, pos), tok in self.oracle.items():
+            logits[row, pos, tok] = 50.0
+        return SimpleNamespace(logits=logits)
+
+
+def test_retention_nll_reads_the_completion_tokens_of_each_retain_prompt(monkeypatch):
+    # two retain prompts of different lengths: labels on the completion and <eos> only, the
+    # shorter row right-padded (pad id 0), which must not count
+    pairs = [([1, 5, 6, 7, 2], [-100, -100, 6, 7, 2]), ([1, 8, 9, 2], [-100, -100, -100, 2])]
+    monkeypatch.setattr(xp.packing, "encode", lambda tok, prompts, completions: pairs)
+    ex = [SimpleNamespace(prompt=p, completion=lambda ws: " c") for p in ("a", "b")]
+    data = xp.TaskData(**{**_data().__dict__, "retain_eval": {"add": ex[:1], "count": ex[1:]}})
+    tok = SimpleNamespace(pad_token_id=0)
+    uniform = xp.retention_nll(_Logits(10), tok, data, False)
+    assert uniform == pytest.approx([np.log(10)] * 2)              # every labelled token: log V
+    # an oracle on prompt 1's three labelled tokens (predicted at positions 1, 2, 3) and on
+    # prompt 2's <eos> (position 2): loss 0 there
+    oracle = _Logits(10, {(0, 1): 6, (0, 2): 7, (0, 3): 2, (1, 2): 2})
+    assert xp.retention_nll(oracle, tok, data, False) == pytest.approx([0.0, 0.0], abs=1e-6)
+    # half right on prompt 1: the per-token mean, not the sum
+    half = _Logits(10, {(0, 1): 6})
+    assert xp.retention_nll(half, tok, data, False)[0] == pytest.approx(2 / 3 * np.log(10), abs=1e-4)
+    # batches of one (no padding) give the same per-prompt losses
+    assert xp.retention_nll(half, tok, data, False, batch=1) == pytest.approx(
+        xp.retention_nll(half, tok, data, False), abs=1e-6)

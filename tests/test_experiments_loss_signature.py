@@ -88,3 +88,31 @@ def test_sigma_correlations_find_the_scale_that_reads_difficulty():
     stars = [ls.inflection(scales, c)[0] for c in sig.mean(1)]        # each in its interval
     assert t["share of inflection points"].iloc[1] == np.mean([0.1 <= v < 0.2 for v in stars])
     assert t["spearman, inflection loss"].nunique() == 1
+
+
+def test_nmi_interval_resamples_problems_and_brackets_the_nmi():
+    rng = np.random.default_rng(0)
+    cats = np.repeat(["a", "b", "c", "d"], 30)
+    groups = np.repeat(np.arange(40), 3)                          # three traces per problem
+    clusters = np.where(rng.random(120) < 0.7, pd.factorize(cats)[0], rng.integers(0, 4, 120))
+    out = ex.nmi_interval(clusters, cats, groups, 300, seed=0)
+    assert out["n_groups"] == 40
+    assert out["low"] < out["nmi"] < out["high"]
+    assert out == ex.nmi_interval(clusters, cats, groups, 300, seed=0)          # seeded
+    perfect = ex.nmi_interval(pd.factorize(cats)[0], cats, groups, 100, seed=0)
+    assert perfect["low"] == pytest.approx(1.0) and perfect["nmi"] == pytest.approx(1.0)
+    # random clusters: the interval sits near zero, well below a planted structure's
+    noise = ex.nmi_interval(rng.integers(0, 4, 120), cats, groups, 300, seed=0)
+    assert noise["high"] < out["low"]
+
+
+def test_student_accuracy_per_item_is_the_item_scores(monkeypatch):
+    model = object()
+    monkeypatch.setattr(ex.finetune, "cached_lora", lambda *a, **k: (model, None, {"cached": True}))
+    monkeypatch.setattr(ex.evaluate, "item_scores", lambda m, tok, test, with_steps: np.array([1.0, 0, 1, 1]))
+    traces = [ex.Trace("p", " c", "add", 1, "solver", True)]
+    kw = dict(sft=None, tag="t", device="cpu")
+    items = ex.subset_students("lm", "smoke", traces, {"a": [0], "b": [0]}, None, [], per_item=True, **kw)
+    assert set(items) == {"a", "b"} and list(items["a"]) == [1.0, 0, 1, 1]
+    acc = ex.subset_students("lm", "smoke", traces, {"a": [0]}, None, [], **kw)
+    assert acc == {"a": 0.75}

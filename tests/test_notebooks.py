@@ -66,6 +66,10 @@ def test_a_sizes_row_may_name_another_scale():
         resolve_sizes({"smoke": {"n": 1}, "mid": "tiny"})
     with pytest.raises(KeyError, match="not a row of sizes"):
         resolve_sizes({"smoke": "mid", "mid": "smoke"})
+    like = {"smoke": {"n": 1, "m": 2}, "mid": {"like": "smoke", "m": 5}}
+    assert resolve_sizes(like)["mid"] == {"n": 1, "m": 5}
+    with pytest.raises(KeyError, match="not a row of sizes"):
+        resolve_sizes({"smoke": {"like": "mid"}, "mid": {"like": "smoke"}})
 
 
 @pytest.mark.parametrize("info", discover(), ids=lambda i: i.slug)

@@ -141,3 +141,17 @@ def test_calls_inside_vmap_are_not_audited_and_its_results_can_be_moved(audit):
     assert P.report() == []
     (g.to(x.device) + w).sum()                  # fewshot_optim.per_example_sq_grads' move
     assert P.report() == []
+
+
+def test_fura_block_explorer_computes_where_the_weights_are_and_returns_host_arrays(audit):
+    """16's explorer: the pretrained weights live on the model's device, a learned update may
+    come back from the host; the block trade and the spectra follow the weights, numpy reads
+    the host copy."""
+    from workbench.experiments import fura as lab
+    torch.manual_seed(0)
+    w0 = torch.randn(8, 16, dtype=torch.float64).to(DEV)
+    delta = torch.randn(8, 16)                    # host, float32
+    trade = lab.block_trade(w0, {"full": delta}, rank=2)
+    spectra = lab.inside_spectra(w0, delta)
+    assert P.report() == []
+    assert len(trade) == len(lab.block_counts(16)) and spectra["dW"].shape == (8,)

@@ -320,6 +320,14 @@ def test_an_edit_to_other_scales_rows_keeps_a_record(project):
     notebook(project, "99-demo", 'SIZES = {"smoke": {"n": 1}, "mid": "smoke", "full": {"n": 3}}\n'
                                  'x = 2\n')
     assert not results.rekey_rows("99-demo", mid_text, "mid")       # code moved
+    # a row written as another plus changes follows the row it names too
+    notebook(project, "99-demo", 'SIZES = {"smoke": {"n": 1}, "mid": {"like": "smoke", "n": 2}}\n'
+                                 'x = 1\n')
+    like_text = (project / "notebooks/99-demo.ipynb").read_text()
+    results.record(run)
+    notebook(project, "99-demo", 'SIZES = {"smoke": {"n": 9}, "mid": {"like": "smoke", "n": 2}}\n'
+                                 'x = 1\n')
+    assert not results.rekey_rows("99-demo", like_text, "mid")
 
 
 def test_the_judging_seeds_are_recorded_beside_the_record(project, capsys):

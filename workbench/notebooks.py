@@ -261,16 +261,22 @@ def parameters(path: Path) -> dict[str, dict]:
 
 def resolve_sizes(table: dict) -> dict:
     """``SIZES`` with every row written as another scale's name (``"mid": "smoke"``: mid runs
-    exactly the smoke sizes) replaced by that row. A row naming a scale the table lacks, or
-    another such name, is an error."""
+    exactly the smoke sizes) replaced by that row, and every row written as another plus changes
+    (``"mid": {"like": "smoke", "steps": 1000}``) by that row with the changes. A row naming a
+    scale the table lacks, or another such row, is an error."""
+    def base(scale, name):
+        target = table.get(name)
+        if not isinstance(target, dict) or "like" in target:
+            rows = sorted(k for k, v in table.items() if isinstance(v, dict) and "like" not in v)
+            raise KeyError(f"SIZES row {scale!r} names {name!r}, which is not a row of sizes; "
+                           f"rows: {rows}")
+        return target
     out = {}
     for scale, row in table.items():
         if isinstance(row, str):
-            target = table.get(row)
-            if not isinstance(target, dict):
-                raise KeyError(f"SIZES row {scale!r} names {row!r}, which is not a row of sizes; "
-                               f"rows: {sorted(k for k, v in table.items() if isinstance(v, dict))}")
-            row = target
+            row = base(scale, row)
+        elif isinstance(row, dict) and "like" in row:
+            row = {**base(scale, row["like"]), **{k: v for k, v in row.items() if k != "like"}}
         out[scale] = row
     return out
 

@@ -199,9 +199,12 @@ def _scale_code(nb: dict, scale: str) -> list[str]:
             if isinstance(stmt, ast.Assign) and getattr(stmt.targets[0], "id", "") == "SIZES" \
                     and isinstance(stmt.value, ast.Dict):
                 rows = {getattr(k, "value", None): v for k, v in zip(stmt.value.keys, stmt.value.values)}
-                read = {scale}
-                if isinstance(rows.get(scale), ast.Constant):       # "mid": "smoke"
-                    read.add(rows[scale].value)
+                read, row = {scale}, rows.get(scale)
+                if isinstance(row, ast.Constant):                   # "mid": "smoke"
+                    read.add(row.value)
+                elif isinstance(row, ast.Dict):                     # "mid": {"like": "smoke", ...}
+                    read |= {v.value for k, v in zip(row.keys, row.values)
+                             if getattr(k, "value", None) == "like" and isinstance(v, ast.Constant)}
                 keep = [(k, v) for k, v in zip(stmt.value.keys, stmt.value.values)
                         if not isinstance(k, ast.Constant) or k.value in read]
                 stmt.value.keys, stmt.value.values = [k for k, _ in keep], [v for _, v in keep]

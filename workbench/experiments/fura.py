@@ -7,8 +7,9 @@ trajectory, each at its best learning rate from one grid shared by all
 (:func:`lr_sweep`, selected on a validation split of the target family); the data they share;
 the paired comparisons of per-item target scores (:func:`paired_target`); the checks the claims
 read: the reconstruction of eq. (1) at
-init, where the learned updates go (share outside span(U), rank), retention at equal target
-accuracy, the cost of a training step side by side, and the 4-bit core's grid bound; and the
+init, where the learned updates go (share outside span(U), rank), the damage to the pretraining
+families (their held-out loss, :func:`retention_nll`), retention at equal target accuracy, the
+cost of a training step side by side, and the 4-bit core's grid bound; and the
 explorer's block-count trade (:func:`block_trade`, :func:`inside_spectra`,
 :func:`blocks_figure`).
 """
@@ -25,6 +26,7 @@ import torch
 from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 from peft.tuners.lora.layer import Linear as LoraLinear
 from torch import nn
+from torch.nn import functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from .. import cache, diagnostics, evaluate, plots, quant, sweep
@@ -35,7 +37,7 @@ from ..models import finetune, zoo
 __all__ = ["METHODS", "GROUP", "LR", "prepare", "probe_batch", "pretrained_weights",
            "reconstruction", "logit_change", "only_cores_trainable", "TaskData", "task_data",
            "Evaluator", "cached_finetune", "finetune_all", "lr_sweep", "best_lrs", "target_scores",
-           "paired_target", "trajectories", "update",
+           "paired_target", "retention_nll", "trajectories", "update",
            "span_table", "rank_table", "retention_at", "equal_target_level", "step_cost",
            "cost_table", "core_within_bound", "qfura_init_error", "qlora_init_error",
            "block_counts", "project_blocks", "block_trade", "inside_spectra", "blocks_figure"]
@@ -299,6 +301,30 @@ def paired_target(scores: dict, a: str, others) -> dict:
     return {m: diagnostics.paired_bootstrap(scores[a], scores[m]) for m in others}
 
 
+@torch.no_grad()
+def retention_nll(model, tok, data: TaskData, with_steps: bool, batch: int = 64) -> np.ndarray:
+    """Per held-out prompt of the pretraining families (``data.retain_eval``, family after
+    family), the mean negative log-likelihood in nats per token of its reference completion
+    under ``model`` (the completion's tokens and ``<eos>``, the labels of
+    :func:`workbench.data.packing.encode`): the pretraining objective on held-out pretraining
+    prompts, so a fine-tune's damage to what pretraining learned, continuous where exact match
+    has already dropped to zero. The items a paired comparison of two models shares."""
+    examples = [e for v in data.retain_eval.values() for e in v]
+    pairs = packing.encode(tok, [e.prompt for e in examples],
+                           [e.completion(with_steps) for e in examples])
+    device = next(model.parameters()).device
+    model.eval()
+    out = []
+    for i in range(0, len(pairs), batch):
+        b = packing.pad(pairs[i:i + batch], tok.pad_token_id)
+        logits = model(input_ids=b["input_ids"].to(device)).logits[:, :-1].float()
+        target = b["labels"][:, 1:].to(device)
+        keep = target != packing.IGNORE
+        nll = F.cross_entropy(logits.transpose(1, 2), target.clamp_min(0), reduction="none")
+        out.append(((nll * keep).sum(1) / keep.sum(1)).cpu().numpy())
+    return np.concatenate(out) if out else np.zeros(0)
+
+
 def trajectories(info: dict) -> pd.DataFrame:
     """Every checkpoint of every method, one row each, with a ``method`` column."""
     return pd.concat({m: pd.DataFrame(info[m]["trajectory"]) for m in METHODS},
@@ -488,7 +514,7 @@ def block_trade(w0: torch.Tensor, updates: dict, rank: int) -> pd.DataFrame:
                      "FuRA trainable": fura.fura_parameters(out, cols, n),
                      "LoRA trainable": fura.lora_parameters(out, cols, rank),
                      "dense": out * cols,
-                     **{f"outside, {m}": fura.outside_span(d.to(U.dtype), U)
+                     **{f"outside, {m}": fura.outside_span(d.to(U), U)
                         for m, d in updates.items()}})
     return pd.DataFrame(rows).set_index("blocks")
 
@@ -496,11 +522,12 @@ def block_trade(w0: torch.Tensor, updates: dict, rank: int) -> pd.DataFrame:
 def inside_spectra(w0: torch.Tensor, delta: torch.Tensor) -> dict:
     """The singular values of an update ``delta`` (key ``"dW"``) and of its part inside the
     blocks' column spans for every block count n (key n, :func:`project_blocks`), computed
-    once so that moving the block count only redraws."""
-    delta = delta.to(w0.dtype)
-    out = {"dW": torch.linalg.svdvals(delta).numpy()}
+    once so that moving the block count only redraws. Computed where ``w0`` is (the model's
+    device), returned on the host."""
+    delta = delta.to(w0)
+    out = {"dW": torch.linalg.svdvals(delta).cpu().numpy()}
     for n in block_counts(w0.shape[1]):
-        out[n] = torch.linalg.svdvals(project_blocks(delta, fura.block_svd(w0, n)[0])).numpy()
+        out[n] = torch.linalg.svdvals(project_blocks(delta, fura.block_svd(w0, n)[0])).cpu().numpy()
     return out
 
 

@@ -10,12 +10,14 @@ What the notebook drives around the method (:mod:`workbench.methods.loss_signatu
 - the brief adaptation of the student (:func:`adapt`) and the signatures of the whole pool in
   pool order, read on several token fractions from the same forward passes
   (:func:`pool_signatures`);
-- the difficulty correlations of C1 (:func:`difficulty_correlations`) and the 2-d view of the
-  clustered signatures for C2 (:func:`signature_embedding`);
+- the difficulty correlations of C1 (:func:`difficulty_correlations`), and for C2 the NMI's
+  bootstrap interval over problems (:func:`nmi_interval`) and the 2-d view of the clustered
+  signatures (:func:`signature_embedding`);
 - the generate-then-filter baseline of curation cost (:func:`generate_then_filter`, judged by
   :func:`sequence_scores`);
 - the downstream students: cached ``peft`` LoRA SFT on a subset of the pool, scored by exact
-  match on held-out problems (:func:`student_accuracy`, :func:`subset_students`);
+  match on held-out problems (:func:`student_accuracy`, :func:`subset_students`, per item for
+  paired comparisons);
 - the explorer: the difficulty proxy read at one fixed scale against the inflection point
   (:func:`sigma_correlations`, :func:`sigma_figure`).
 """
@@ -30,6 +32,7 @@ import pandas as pd
 import torch
 from scipy.stats import spearmanr
 from sklearn.decomposition import PCA
+from sklearn.metrics import normalized_mutual_info_score as nmi
 
 from .. import evaluate, plots
 from ..data import packing, tasks
@@ -39,7 +42,8 @@ from ..methods import loss_signature as ls
 from ..models import finetune
 
 __all__ = ["Trace", "draw_problems", "solver_traces", "model_traces", "teacher_pool",
-           "pool_frame", "adapt", "pool_signatures", "difficulty_correlations", "signature_embedding",
+           "pool_frame", "adapt", "pool_signatures", "difficulty_correlations", "nmi_interval",
+           "signature_embedding",
            "sequence_scores", "generate_then_filter", "student_accuracy", "subset_students",
            "sigma_correlations", "sigma_figure"]
 
@@ -166,6 +170,25 @@ def difficulty_correlations(pool: pd.DataFrame, sig, sig_few, scales, n_resample
             "few": ci(pool.level, ls.inflection_losses(sig_few, scales)), "within": within}
 
 
+def nmi_interval(clusters, categories, groups, n_resamples: int, seed: int,
+                 confidence: float = 0.95) -> dict:
+    """The NMI of ``clusters`` against ``categories`` with a percentile bootstrap interval that
+    resamples the ``groups`` with replacement, all the items of a group together (a problem's
+    traces from every teacher: the same prompt and category, not independent draws), the
+    clusters held as found. Returns ``{"nmi", "low", "high", "n_groups"}``."""
+    clusters, cats = np.asarray(clusters), np.asarray(categories)
+    _, gid = np.unique(np.asarray(groups), return_inverse=True)
+    members = [np.flatnonzero(gid == g) for g in range(gid.max() + 1)]
+    rng = np.random.default_rng(seed)
+    boot = []
+    for _ in range(n_resamples):
+        idx = np.concatenate([members[g] for g in rng.integers(0, len(members), len(members))])
+        boot.append(nmi(cats[idx], clusters[idx]))
+    q = (1 - confidence) / 2
+    return {"nmi": float(nmi(cats, clusters)), "low": float(np.quantile(boot, q)),
+            "high": float(np.quantile(boot, 1 - q)), "n_groups": len(members)}
+
+
 def signature_embedding(features, seed: int) -> np.ndarray:
     """The clustered signature features projected on their first two principal components
     (``sklearn`` PCA), for the C2 scatter plots."""
@@ -214,21 +237,25 @@ def generate_then_filter(teacher, judge, tok, examples, n_candidates: int, seed:
 # -- downstream students ------------------------------------------------------------------------
 
 def student_accuracy(student: str, scale: str, traces: list[Trace], idx, tok, test, *,
-                     sft: finetune.LoraSettings, tag: str, device) -> tuple[float, bool]:
+                     sft: finetune.LoraSettings, tag: str, device,
+                     per_item: bool = False) -> tuple[float | np.ndarray, bool]:
     """A student (the zoo model ``student`` with a cached ``peft`` LoRA SFT on the traces
-    ``idx``) scored by exact match, with steps, on the held-out problems ``test``; and whether
-    the fine-tune came from the cache."""
+    ``idx``) scored by exact match, with steps, on the held-out problems ``test`` (with
+    ``per_item``, each problem's score, 1.0 or 0.0, in ``test`` order, for paired comparisons);
+    and whether the fine-tune came from the cache."""
     model, _, info = finetune.cached_lora(student, scale, [traces[i].prompt for i in idx],
                                           [traces[i].completion for i in idx], sft, tag=tag,
                                           group=CACHE_GROUP, device=device)
-    return evaluate.exact_match(model, tok, test, with_steps=True), info["cached"]
+    scores = evaluate.item_scores(model, tok, test, with_steps=True)
+    return (scores if per_item else float(scores.mean())), info["cached"]
 
 
 def subset_students(student: str, scale: str, traces: list[Trace], subsets: dict, tok, test, *,
-                    sft: finetune.LoraSettings, tag: str, device) -> dict:
-    """:func:`student_accuracy` of one student per named subset of the traces, in order."""
+                    sft: finetune.LoraSettings, tag: str, device, per_item: bool = False) -> dict:
+    """:func:`student_accuracy` of one student per named subset of the traces, in order (with
+    ``per_item``, each one's per-problem scores)."""
     return {name: student_accuracy(student, scale, traces, idx, tok, test, sft=sft, tag=tag,
-                                   device=device)[0]
+                                   device=device, per_item=per_item)[0]
             for name, idx in subsets.items()}
 
 
