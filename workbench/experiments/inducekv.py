@@ -506,7 +506,8 @@ def lora_baselines(pool, model: str, scale: str, items, data: dict, cfg: Setting
     pairs = {n: data[n]["pairs"] for n in names_s}
     tests = {n: data[n]["test"] for n in names_s}
     seeded = len(set(fams)) == len(fams) and all(f in pool.names for f in fams)
-    pool_passes = 3 * adapters.POOL_SIZES[scale].steps * adapters.POOL_SIZES[scale].batch
+    pool_size = adapters.POOL_SIZES[zoo.zoo_scale(scale)]         # mid runs on the smoke pool
+    pool_passes = 3 * pool_size.steps * pool_size.batch
     out = {}
     for kind, replay in (("sequential LoRA", 0), ("replay", sizes["replay_per_task"])):
         pm, _, states, info = sequential_lora(pool, model, names_s, pairs, sizes["lora_steps"],
