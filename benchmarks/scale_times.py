@@ -55,6 +55,7 @@ def main(argv=None) -> int:
     ap.add_argument("--write", action="store_true", help="make it docs/benchmarks.md's section")
     ap.add_argument("--smoke-run", type=Path, required=True,
                     help="a run folder of the default smoke runs")
+    ap.add_argument("--note", default="", help="a sentence on how the runs were made (their load)")
     ap.add_argument("--mid-run", type=Path, default=None,
                     help="a run folder of the default mid runs (default: the mid records)")
     args = ap.parse_args(argv)
@@ -71,7 +72,8 @@ def main(argv=None) -> int:
         print("\nSeconds inside the notebook, the zoo in the cache; smoke from the run folder "
               f"`{args.smoke_run.name}`, mid from "
               + (f"`{args.mid_run.name}`" if args.mid_run else "the runs of the mid records")
-              + ". Budgets: smoke 90 s, mid 15 minutes a seed for one job on 2 cores.")
+              + ". Budgets: smoke 90 s, mid 15 minutes a seed for one job on 2 cores."
+              + (f" {args.note}" if args.note else ""))
     if args.readme:
         for scale, header in (("smoke", "smoke a seed"), ("mid", "mid a seed")):
             page.readme_column(header, {no: cell(r[scale], scale) for no, r in rows.items()})
