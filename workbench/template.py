@@ -33,10 +33,11 @@ TITLE = """# {number} · {title}
 - **C1** (robust) {mark}: the first claim, as the paper's page `docs/papers/{slug}.md` states
   it, and how we measure it.
 
-**Scaled down.** {mark}: at `smoke` scale (CPU, at most 90 s) ... ; `full` runs ... on one GPU.
+**Scaled down.** {mark}: at `smoke` scale (CPU, at most 90 s) ... ; `mid` (CPU, at most 15
+minutes a seed) gives the effect room: ... ; `full` runs ... on one GPU.
 """
 
-PARAMETERS = """scale: str = "smoke"  # smoke (CPU, at most 90 s) or full (one GPU) {{smoke|full}}
+PARAMETERS = """scale: str = "smoke"  # smoke (2 CPU cores, at most 90 s), mid (2 CPU cores, at most 15 minutes a seed) or full (one GPU) {{smoke|mid|full}}
 seed: int = 0  # seeds torch, numpy and the data [0..]
 device: str = "auto"  # auto, cpu, cuda or mps {{auto|cpu|cuda|mps}}
 out_dir: str = None  # run directory (None: runs/interactive/{slug})
@@ -47,6 +48,10 @@ lr: float = None  # step size (None: the scale's size) (0..]
 SIZES = """SIZES = {{
     # smoke: {mark} why these sizes show the claims within 90 s on 2 CPU cores
     "smoke": {{"steps": 200, "lr": 0.1, "dim": 16, "threads": 1}},
+    # mid: {mark} the paper's setting scaled to 15 minutes a seed on 2 CPU cores, each size's rule
+    # written here before any mid result ("mid": "smoke" where smoke already meets the claims'
+    # preconditions)
+    "mid": {{"like": "smoke", "steps": 2000}},
     # full: the sizes that show every claim clearly, for one GPU
     "full": {{"steps": 20_000, "lr": 0.1, "dim": 1024, "threads": 0}},
 }}
@@ -293,6 +298,8 @@ the method).
 
 - `smoke`: {mark}: the sizes, and why the robust claims show at them within about 90 s on 2 CPU
   cores.
+- `mid`: {mark}: what mid changes (the paper's setting scaled to 15 minutes a seed on 2 CPU
+  cores) and the rule behind each size.
 - `full`: {mark}: the sizes that show every claim clearly, about 10 minutes on one H100
   (`workbench plan {number} --scale full`).
 
