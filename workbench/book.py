@@ -82,8 +82,8 @@ def chapters(run_dir: Path) -> list[Chapter]:
 def records(scale: str = "smoke") -> dict[str, dict]:
     """slug -> its record at ``scale`` (``notebooks/results/<slug>.json`` at smoke,
     ``notebooks/results/mid/<slug>.json`` at mid), every notebook recorded there."""
-    folder = results.path("00-x", scale).parent
-    return {p.stem: report.read_json(p) for p in sorted(folder.glob("[0-9][0-9]-*.json"))}
+    return {p.stem: report.read_json(p)
+            for p in sorted(results.folder(scale).glob("[0-9][0-9]-*.json"))}
 
 
 def code_changed(slug: str, record: dict) -> bool:

@@ -315,7 +315,7 @@ def cmd_record(args) -> int:
         return _rekey(results, Path(args.unchanged_from), run, slugs)
     try:
         seeds = tuple(int(s) for s in args.seeds.split(","))
-        results.path("00-x", "smoke", seeds)
+        results.folder("smoke", seeds)                  # refuses a seed set with no records
     except ValueError as e:
         print(f"error: --seeds {args.seeds}: {e}", file=sys.stderr)
         return 2

@@ -27,10 +27,14 @@ from torch.utils.flop_counter import FlopCounterMode
 __all__ = ["interleaved", "spread", "flops", "bytes_moved"]
 
 
-def interleaved(fns: dict[str, Callable], repeats: int, warmup: int = 1) -> pd.DataFrame:
+def interleaved(fns: dict[str, Callable], repeats: int, warmup: int = 1,
+                clock: Callable[[], float] | None = None) -> pd.DataFrame:
     """Wall seconds of each callable of ``fns`` over ``repeats`` rounds, one row a round, a
     column per name. Every round runs each callable once; the order reverses every round (ABBA
-    for two), after ``warmup`` untimed calls of each (first-call costs: allocation, lazy init)."""
+    for two), after ``warmup`` untimed calls of each (first-call costs: allocation, lazy init).
+    ``clock`` reads the time (default ``time.perf_counter``; ``time.process_time``: the process's
+    CPU seconds, which other jobs' load does not enter)."""
+    clock = clock or time.perf_counter
     if repeats < 1 or len(fns) < 2:
         raise ValueError(f"need two or more callables and repeats >= 1, got {len(fns)}, {repeats}")
     for _ in range(warmup):
@@ -40,9 +44,9 @@ def interleaved(fns: dict[str, Callable], repeats: int, warmup: int = 1) -> pd.D
     for i in range(repeats):
         row = {}
         for name in (names if i % 2 == 0 else names[::-1]):
-            t0 = time.perf_counter()
+            t0 = clock()
             fns[name]()
-            row[name] = time.perf_counter() - t0
+            row[name] = clock() - t0
         rows.append(row)
     return pd.DataFrame(rows, columns=names)
 

@@ -30,9 +30,9 @@ from pathlib import Path
 from .env import project_root
 from .stats import mean_std
 
-__all__ = ["SEEDS", "JUDGING", "SCALES", "RESULTS_TAG", "EXPLORE_TAG", "results_dir", "path", "notebook_key",
-           "zoo_keys", "current_key", "record", "rekey", "load", "stale", "Recorded", "table",
-           "show", "render", "say", "findings", "main"]
+__all__ = ["SEEDS", "JUDGING", "SCALES", "RESULTS_TAG", "EXPLORE_TAG", "results_dir", "path",
+           "folder", "notebook_key", "zoo_keys", "current_key", "record", "rekey", "load",
+           "stale", "Recorded", "table", "show", "render", "say", "findings", "main"]
 
 SEEDS = (0, 1, 2)           # the seeds a recorded result covers
 JUDGING = (3, 4, 5)         # the seeds that judge a changed criterion, recorded beside SEEDS
@@ -50,13 +50,19 @@ def path(slug: str, scale: str = "smoke", seeds=SEEDS) -> Path:
     """The record of ``slug`` at ``scale``: ``<slug>.json`` at smoke, ``<scale>/<slug>.json``
     beside it for the others; the record of the judging seeds (:data:`JUDGING`, the seeds a
     changed criterion was judged on) in a ``judging/`` folder beside each."""
+    return folder(scale, seeds) / f"{slug}.json"
+
+
+def folder(scale: str = "smoke", seeds=SEEDS) -> Path:
+    """Where the records at ``scale`` over ``seeds`` lie (:func:`path`); a scale or seed set
+    that has no records is a ValueError."""
     if scale not in SCALES:
         raise ValueError(f"records are kept at {SCALES}, not {scale!r}")
     seeds = tuple(seeds)
     if seeds not in (SEEDS, JUDGING):
         raise ValueError(f"records cover seeds {SEEDS} or the judging seeds {JUDGING}, not {seeds}")
-    folder = results_dir() if scale == "smoke" else results_dir() / scale
-    return folder / ("judging" if seeds == JUDGING else "") / f"{slug}.json"
+    root = results_dir() if scale == "smoke" else results_dir() / scale
+    return root / "judging" if seeds == JUDGING else root
 
 
 def notebook_key(nb_path: Path) -> str:

@@ -342,6 +342,16 @@ def budget_sweep(bed: Bed, examples: list, rows: np.ndarray, post: np.ndarray, m
     return pd.DataFrame(out)
 
 
+def _route(lm, tok, prompts: list[str], gauss: list, temperature: float, threshold: float,
+           k_max: int, budget: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """HiLoRA's sequence-level routing: features, likelihoods, posterior, the selection ``m``
+    and the budget's allocation ``k`` over the pool (hooks off while the features are read)."""
+    x = hl.prompt_features(lm, tok, prompts)
+    p = hl.posterior(hl.log_likelihoods(x, gauss), temperature)
+    m = hl.select(p, threshold, k_max)
+    return m, hl.allocate(p, m, budget, rank)
+
+
 def _paths(bed: Bed, prompts: list[str], gauss: list, new_tokens: int, temperature: float,
            threshold: float, k_max: int, budget: int, adapter: str) -> dict:
     """C4's two paths as callables: one unmerged ``peft`` LoRA (``adapter``), and HiLoRA's full
@@ -354,12 +364,10 @@ def _paths(bed: Bed, prompts: list[str], gauss: list, new_tokens: int, temperatu
 
     def hilora_path():
         bed.hooks.off()
-        x = hl.prompt_features(bed.lm, bed.tok, prompts)
-        p = hl.posterior(hl.log_likelihoods(x, gauss), temperature)
-        m = hl.select(p, threshold, k_max)
-        k = pad_pool(hl.allocate(p, m, budget, bed.rank), bed.n_all)
+        m, k = _route(bed.lm, bed.tok, prompts, gauss, temperature, threshold, k_max, budget,
+                      bed.rank)
         return hl.generate_routed(bed.lm, bed.tok, prompts, bed.hooks,
-                                  pad_pool(m.astype(float), bed.n_all), k,
+                                  pad_pool(m.astype(float), bed.n_all), pad_pool(k, bed.n_all),
                                   max_new_tokens=new_tokens, min_new_tokens=new_tokens)
     return {"single peft LoRA": single_lora, "HiLoRA": hilora_path}
 
@@ -452,19 +460,8 @@ def _cpu_interleaved(fns: dict, repeats: int, cuda: bool = False, warmup: int = 
             return time.perf_counter()
         return time.process_time()
     from threadpoolctl import threadpool_limits
-    rows, names = [], list(fns)
     with threadpool_limits(torch.get_num_threads()):    # numpy's BLAS on torch's threads
-        for _ in range(warmup):
-            for fn in fns.values():
-                fn()
-        for i in range(repeats):
-            row = {}
-            for name in (names if i % 2 == 0 else names[::-1]):
-                t0 = clock()
-                fns[name]()
-                row[name] = clock() - t0
-            rows.append(row)
-    return pd.DataFrame(rows, columns=names)
+        return costs.interleaved(fns, repeats, warmup, clock=clock)
 
 
 def routing_gates(bed: Bed, prompts: list[str], gauss: list, temperature: float,
@@ -472,11 +469,8 @@ def routing_gates(bed: Bed, prompts: list[str], gauss: list, temperature: float,
     """HiLoRA's sequence-level routing of ``prompts`` on the zoo model (features, likelihoods,
     selection, allocation), as (n, ``bed.n_all``) gates ``w, k`` for :func:`wide_cost`."""
     bed.hooks.off()
-    x = hl.prompt_features(bed.lm, bed.tok, prompts)
-    p = hl.posterior(hl.log_likelihoods(x, gauss), temperature)
-    m = hl.select(p, threshold, k_max)
-    return (pad_pool(m.astype(float), bed.n_all),
-            pad_pool(hl.allocate(p, m, budget, bed.rank), bed.n_all))
+    m, k = _route(bed.lm, bed.tok, prompts, gauss, temperature, threshold, k_max, budget, bed.rank)
+    return pad_pool(m.astype(float), bed.n_all), pad_pool(k, bed.n_all)
 
 
 def wide_cost(wb: WideBed, prompts: list[str], w: np.ndarray, k: np.ndarray, temperature: float,
@@ -501,11 +495,9 @@ def wide_cost(wb: WideBed, prompts: list[str], w: np.ndarray, k: np.ndarray, tem
 
     def hilora_path():
         wb.hooks.off()
-        x = hl.prompt_features(wb.lm, wb.tok, prompts)
-        p = hl.posterior(hl.log_likelihoods(x, gauss), temperature)
-        m = hl.select(p, threshold, k_max)
-        hl.allocate(p, m, budget, wb.rank)              # computed, as the path does; the pool's
-        return hl.generate_routed(wb.lm, wb.tok, prompts, wb.hooks, w, k,   # routing decides
+        # routed at this width for its cost; the pool's routing of these prompts (w, k) decides
+        _route(wb.lm, wb.tok, prompts, gauss, temperature, threshold, k_max, budget, wb.rank)
+        return hl.generate_routed(wb.lm, wb.tok, prompts, wb.hooks, w, k,
                                   max_new_tokens=new_tokens, min_new_tokens=new_tokens)
     paths = {"single peft LoRA": single_lora, "HiLoRA": hilora_path}
     secs = _cpu_interleaved(paths, repeats, cuda=next(wb.lm.parameters()).is_cuda)
