@@ -588,7 +588,20 @@ def test_run_help_and_dry_run(fixture_notebooks, tmp_path, capsys):
                      "--seeds", "0,1", "--dry-run", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "4 job(s)" in text and "01-ok/smoke-x=2/seed-1" in text
+    assert "timeout 900 s each" in text
     assert not out.exists()
+
+
+def test_the_default_timeout_follows_the_scale(fixture_notebooks, tmp_path, capsys):
+    """A mid job may take 15 minutes alone: smoke's 900 s default would stop it on a busy laptop."""
+    nb = str(fixture_notebooks / "01-ok.ipynb")
+    for scale, limit in (("mid", "1800"), ("full", "86400")):
+        assert cli.main(["run", nb, "--scale", scale, "--dry-run",
+                         "--out", str(tmp_path / scale)]) == 0
+        assert f"timeout {limit} s each" in capsys.readouterr().out
+    assert cli.main(["run", nb, "--scale", "mid", "--timeout", "60", "--dry-run",
+                     "--out", str(tmp_path / "t")]) == 0
+    assert "timeout 60 s each" in capsys.readouterr().out
 
 
 def test_list_fits_100_columns_and_reads_a_chosen_run_folder(tmp_path, capsys):

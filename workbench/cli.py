@@ -117,6 +117,11 @@ def _dashboard_link(client) -> str | None:
     return getattr(client, "dashboard_link", None)
 
 
+# a job's default limit: about ten times smoke's 90 s, twice mid's 15 minutes (a reader's
+# laptop is rarely idle), and a day at full, whose longest notebooks run for hours on one GPU
+RUN_TIMEOUT = {"smoke": 900, "mid": 1800, "full": 86400}
+
+
 def cmd_run(args) -> int:
     from . import batch, report
     if not args.all and not args.notebooks:
@@ -126,6 +131,8 @@ def cmd_run(args) -> int:
     if args.resume and not args.out:
         print("error: --resume needs --out, the folder of the run to complete", file=sys.stderr)
         return 2
+    if args.timeout is None:
+        args.timeout = RUN_TIMEOUT[args.scale]
     executor = "dask" if args.scheduler else args.executor
     import shlex
     command = "workbench " + shlex.join(getattr(args, "argv", None) or ["run"])
@@ -560,15 +567,18 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--all", action="store_true", help="every notebook")
     r.add_argument("--scale", choices=SCALES, default="smoke",
                    help="the sizes each notebook runs at: smoke (CPU, about a minute a "
-                        "notebook; the default) or full (the papers' sizes, mostly GPU)")
+                        "notebook; the default), mid (at most 15 minutes a seed on 2 CPU "
+                        "cores, sized to show each paper's effect) or full (the papers' "
+                        "sizes, mostly GPU)")
     r.add_argument("-p", "--param", nargs=2, action="append", metavar=("NAME", "VALUE"),
                    help="set a notebook parameter; a comma list (-p bits 4,3,2) makes a grid, "
                         "a value in brackets or quotes ('[a,b]', '\"a,b\"') is one value")
     r.add_argument("--seeds", default="0", help="comma list of seeds, e.g. 0,1,2 (default 0)")
     r.add_argument("--jobs", type=_positive_int, default=None,
                    help="parallel jobs (default: cores; with --scheduler, the cluster's threads)")
-    r.add_argument("--timeout", type=_seconds, default=900,
-                   help="seconds per job before it is stopped (default 900)")
+    r.add_argument("--timeout", type=_seconds, default=None,
+                   help="seconds per job before it is stopped (default: "
+                        + ", ".join(f"{v:g} at {k}" for k, v in RUN_TIMEOUT.items()) + ")")
     r.add_argument("--out", default=None,
                    help="run folder, owned by this run while it runs (default: a new "
                         "runs/<YYYYmmdd-HHMMSS>)")
