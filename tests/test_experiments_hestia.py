@@ -94,6 +94,23 @@ def test_ratio_by_tokens_gives_one_row_per_batch_and_an_empty_table_for_none():
     assert len(X.ratio_by_tokens(model, data[:0], [], rounds=2, temp=0.3)) == 0
 
 
+def test_c5_is_judged_at_the_most_tokens_timed_and_needs_the_ratio_to_fall():
+    import pandas as pd
+    spread = {"median": 1.3, "q3": 1.4}
+    rows = pd.DataFrame({"tokens": [2048, 128, 512], "median": [1.05, 1.5, 1.2],
+                         "q3": [1.08, 1.6, 1.3]})
+    v = X.c5_verdict(spread, rows, 512)
+    assert v["holds"] and v["tokens"] == 2048 and v["falls"] and v["q3"] == 1.08
+    # the most tokens under the bar, but the ratio does not fall: the amortisation is not shown
+    flat = rows.assign(median=[1.05, 1.0, 1.2])
+    assert not X.c5_verdict(spread, flat, 512)["holds"]
+    assert not X.c5_verdict(spread, rows.assign(q3=[1.11, 1.6, 1.3]), 512)["holds"]
+    # one batch timed (smoke): that batch's upper quartile alone
+    one = X.c5_verdict(spread, rows[:0], 512)
+    assert not one["holds"] and one["tokens"] == 512 and one["falls"] is None
+    assert X.c5_verdict({"median": 1.0, "q3": 1.1}, rows[:0], 512)["holds"]
+
+
 def test_qat_config_takes_the_decay_style_and_the_limits_name_it():
     S = {"steps": 40, "batch": 2, "lr": 1e-3, "log_every": 10, "gap_every": 5}
     assert X.qat_config(S, 0.5, 0.2).decay_style == "cosine"

@@ -37,7 +37,7 @@ from workbench.plots import subplots
 __all__ = ["LIMITS", "KEY", "COLOR", "limits", "qat_config", "train_stream", "block_nll",
            "task_items", "Bed", "load_bed", "reference_rows", "sensitivities",
            "trace_table", "qat_methods", "qat_run", "qat_metrics", "row_table", "compare", "consistency",
-           "stepper", "step_costs", "ratio_by_tokens", "export_gguf", "gguf_metrics", "gguf_summary",
+           "stepper", "step_costs", "ratio_by_tokens", "c5_verdict", "export_gguf", "gguf_metrics", "gguf_summary",
            "c2_evidence", "schedule_figure",
            "DEAD_SLOPE", "forward_curve", "dead_share", "relaxation_figure"]
 
@@ -300,20 +300,24 @@ def stepper(model, x: torch.Tensor, mode: str, temp: float = 0.3):
     return step
 
 
-def step_costs(model, x: torch.Tensor, rounds: int, temp: float) -> tuple[pd.DataFrame, dict]:
+def step_costs(model, x: torch.Tensor, rounds: int, temp: float,
+               clock=None) -> tuple[pd.DataFrame, dict]:
     """C5, side by side: the seconds of a :func:`stepper` step of STE and of Hestia over
     ``rounds`` interleaved rounds (:func:`workbench.costs.interleaved`, ABBA after a warm-up),
     with each round's ratio Hestia / STE; and the floating-point operations and bytes moved of
-    one step of each (:func:`workbench.costs.flops`, :func:`workbench.costs.bytes_moved`)."""
+    one step of each (:func:`workbench.costs.flops`, :func:`workbench.costs.bytes_moved`).
+    ``clock``: as :func:`workbench.costs.interleaved` (``time.process_time`` on a CPU, so another
+    job's load does not enter the seconds)."""
     steps = {"STE": stepper(model, x, "ste", temp), "Hestia": stepper(model, x, "hestia", temp)}
-    t = costs.interleaved(steps, rounds)
+    t = costs.interleaved(steps, rounds, clock=clock)
     t["ratio"] = t["Hestia"] / t["STE"]
     counts = {"flops": {k: costs.flops(f) for k, f in steps.items()},
               "bytes": {k: costs.bytes_moved(f) for k, f in steps.items()}}
     return t, counts
 
 
-def ratio_by_tokens(model, data: torch.Tensor, batches, rounds: int, temp: float) -> pd.DataFrame:
+def ratio_by_tokens(model, data: torch.Tensor, batches, rounds: int, temp: float,
+                    clock=None) -> pd.DataFrame:
     """C5's overhead against the tokens per step: for each number of sequences in ``batches``,
     :func:`step_costs` on the first that many blocks of ``data``: the per-round ratio Hestia / STE
     (median and quartiles) and the byte ratio of one step, one row per batch. The quantizer's work
@@ -321,12 +325,32 @@ def ratio_by_tokens(model, data: torch.Tensor, batches, rounds: int, temp: float
     tokens per step grow."""
     out = []
     for b in batches:
-        t, counts = step_costs(model, data[:b], rounds, temp)
+        t, counts = step_costs(model, data[:b], rounds, temp, clock)
         sp = costs.spread(t["ratio"])
         out.append({"sequences": int(b), "tokens": int(b * data.shape[1]), "median": sp["median"],
                     "q1": sp["q1"], "q3": sp["q3"], "step_s_ste": float(t["STE"].median()),
                     "byte_ratio": counts["bytes"]["Hestia"] / counts["bytes"]["STE"]})
     return pd.DataFrame(out)
+
+
+def c5_verdict(spread: dict, by_tokens: pd.DataFrame, batch_tokens: int, bar: float = 1.10) -> dict:
+    """C5's verdict, "the training-time overhead is small". The relaxed quantizer's extra work
+    grows with the weights and the matmuls' with weights times tokens, so the overhead is
+    amortised over the tokens of a step, and the paper's steps (1-3B models, large batches) hold
+    far more tokens than any we can time. With two or more timed batches (``by_tokens``, from
+    :func:`ratio_by_tokens`): judged at the most tokens per step timed, where the upper quartile
+    of the per-round ratios must be at most ``bar`` *and* the median ratio must fall from the
+    fewest tokens to the most (the amortisation the argument rests on). With none (``spread`` of
+    the QAT batch alone, ``batch_tokens`` tokens): that batch's upper quartile at most ``bar``."""
+    if len(by_tokens) >= 2:
+        rows = by_tokens.sort_values("tokens")
+        top, low = rows.iloc[-1], rows.iloc[0]
+        falls = bool(top["median"] < low["median"])
+        return {"holds": bool(top["q3"] <= bar and falls), "tokens": int(top["tokens"]),
+                "q3": float(top["q3"]), "median": float(top["median"]), "falls": falls,
+                "bar": bar}
+    return {"holds": bool(spread["q3"] <= bar), "tokens": int(batch_tokens),
+            "q3": float(spread["q3"]), "median": float(spread["median"]), "falls": None, "bar": bar}
 
 
 def export_gguf(model, bed: Bed, path, *, name: str, metadata: dict, ppl_memory: float,
