@@ -169,3 +169,26 @@ def test_classifier_learns_a_tiny_task():
     ra.train_classifier(m, task, 80, 64, 2e-2, generator=g)
     after = ra.accuracy(m, task.sample(500, "train", g))
     assert after > max(0.5, before + 0.2)
+
+
+def test_identity_residual_takes_out_the_letters_and_keeps_their_equality():
+    """States = a direction per letter at each position + a direction for "the two are equal":
+    the residual keeps the equality (an interaction no additive model of the letters holds) and
+    drops the letters."""
+    rng = np.random.default_rng(0)
+    n, vocab, hidden = 2000, 40, 16
+    tok = rng.integers(0, vocab, (n, 2))
+    tok[: n // 2, 1] = tok[: n // 2, 0]                   # half the sequences repeat the letter
+    same = (tok[:, 0] == tok[:, 1]).astype(float)
+    letters = rng.normal(size=(2, vocab, hidden))
+    eq_dir = 0.3 * rng.normal(size=hidden)               # small against the letters
+    states = letters[0][tok[:, 0]] + letters[1][tok[:, 1]] + np.outer(same, eq_dir)
+    res = ra.identity_residual(states, tok, vocab, alpha=1.0, seed=0)
+    # the whole state sorts the letters; the residual sorts "same" from "different"
+    assert ra.prefix_purity(states, same.astype(int)) < 0.75
+    assert ra.prefix_purity(res, same.astype(int)) > 0.95
+    assert ra.participation_ratio(res) < 0.5 * ra.participation_ratio(states)
+    # a state the letters explain additively leaves (almost) nothing
+    additive = letters[0][tok[:, 0]] + letters[1][tok[:, 1]]
+    left = ra.identity_residual(additive, tok, vocab, alpha=1e-3, seed=0)
+    assert np.linalg.norm(left) < 0.05 * np.linalg.norm(additive - additive.mean(0))

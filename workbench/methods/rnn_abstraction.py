@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from sklearn.cluster import KMeans
-from sklearn.linear_model import LogisticRegression
+from sklearn.linear_model import LogisticRegression, Ridge
 from sklearn.metrics import balanced_accuracy_score, silhouette_score
 from sklearn.model_selection import train_test_split
 from sklearn.pipeline import make_pipeline
@@ -44,7 +44,7 @@ from workbench.data.patterns import PatternTask
 
 __all__ = ["PatternRNN", "states_with", "train_classifier", "accuracy", "next_token_loss",
            "train_next_token", "optimal_next_token_loss", "probe_accuracy", "fixed_probe",
-           "prefix_purity", "best_k", "participation_ratio", "leading_projection", "corr",
+           "prefix_purity", "identity_residual", "best_k", "participation_ratio", "leading_projection", "corr",
            "bulk_edge", "n_outliers", "stable_rank", "scaffold", "add_scaffold"]
 
 
@@ -260,6 +260,25 @@ def prefix_purity(states, prefix, seed: int = 0) -> float:
         return 1.0
     lab = KMeans(k, n_init=4, random_state=seed).fit_predict(x)
     return float(sum(np.bincount(y[lab == c]).max() for c in np.unique(lab)) / len(y))
+
+
+def identity_residual(states, tokens, vocab: int, alpha: float = 1.0, seed: int = 0):
+    """The states with what token *identity* explains additively taken out (C2): the residual
+    of a ridge regression of ``states`` (n, hidden) on the one-hot tokens ``tokens`` (n, t) seen
+    so far, cross-fitted over two random halves (each half's residual comes from the other
+    half's fit, so no sequence's own fit absorbs its own structure). An additive model of the
+    tokens cannot express "this token equals that one", the interaction the pattern tree is made
+    of, so the tree's structure stays and the letters go."""
+    x = np.asarray(states, float)
+    tok = np.asarray(tokens).reshape(len(x), -1)
+    design = np.zeros((len(x), tok.shape[1] * vocab))
+    design[np.arange(len(x))[:, None], np.arange(tok.shape[1]) * vocab + tok] = 1.0
+    half = np.random.default_rng(seed).permutation(len(x)) < len(x) // 2
+    out = np.empty_like(x)
+    for fit, res in ((half, ~half), (~half, half)):
+        model = Ridge(alpha=alpha).fit(design[fit], x[fit])
+        out[res] = x[res] - model.predict(design[res])
+    return out
 
 
 def best_k(states, k_max: int = 8, seed: int = 0) -> int:
