@@ -23,9 +23,18 @@ from sklearn.linear_model import LinearRegression
 from .. import diagnostics as D
 from ..methods import rnn_abstraction as ra
 
-__all__ = ["state_pca", "transition_R", "random_direction_R", "ablated_final_states",
+__all__ = ["tree_clauses", "state_pca", "transition_R", "random_direction_R", "ablated_final_states",
            "ablation_decoding", "pattern_classifier", "shuffled_label_rnn", "rank_profile",
            "transfer_runs", "transfer_summary", "decoding_vs_classifier", "ablation_sweep"]
+
+
+def tree_clauses(purity, best_k, dim: float, nodes, n_patterns: int) -> bool:
+    """C2's three clauses on one set of states: at every step whose tree level branches (more
+    than one node), prefix purity >= 0.9 and the silhouette's preferred k equal to the nodes;
+    and a participation ratio ``dim`` of at most the number of patterns."""
+    deep = [t for t, n in enumerate(nodes) if n > 1]
+    return bool(all(purity[t] >= 0.9 for t in deep) and all(best_k[t] == nodes[t] for t in deep)
+                and dim <= n_patterns)
 
 
 def state_pca(H: np.ndarray) -> PCA:
