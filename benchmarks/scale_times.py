@@ -5,8 +5,9 @@ Smoke from a run folder of the default smoke runs (``workbench run --all --out D
 records' own seconds include first runs that trained their caches); mid from the runs the mid
 records were made from (``duration_s`` of seeds 0-2 in ``notebooks/results/mid/``), or from
 ``--mid-run``. The seconds are the notebook's own (kernel start to ``run.finish()``), zoo in the
-cache. Record a notebook one job at a time (``workbench run NN --scale mid --seeds 0,1,2 --jobs
-1``) for its seconds to be a budget measurement: two jobs on 2 cores each run slower.
+cache. For its seconds to be a budget measurement, no more jobs than cores may share the machine:
+every mid row runs torch on one thread, so two jobs on 2 cores (``--jobs 2``) each run about as
+fast as one alone, while more jobs than cores each run slower.
 ``--readme`` writes the README notebook table's smoke and mid columns; ``--write`` makes the
 table the section ``scale-times`` of docs/benchmarks.md (``page.py``). Budgets: smoke 90 s, mid
 15 minutes a seed.
