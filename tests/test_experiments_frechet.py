@@ -99,6 +99,14 @@ def test_karcher_gap():
     assert xp.karcher_gap(hist, 2) == 0.0
 
 
+def test_mean_merge_kept_is_the_share_of_each_gain():
+    table = pd.DataFrame({"a": [0.1, 1.0, 0.0, 0.55], "b": [0.5, 0.0, 0.5, 0.5]},
+                         index=["base", "adapter a alone", "adapter b alone", "cat_mean"])
+    kept = xp.mean_merge_kept(table, ["a", "b"])
+    assert kept["a"] == pytest.approx(0.5) and kept["b"] is None     # b gains nothing
+    assert xp.mean_merge_kept(table, ["a"], merge="base") == {"a": 0.0}
+
+
 class ScoredBench(TinyBench):
     """TinyBench with an 'exact match' per family: 1 when the slot's loss on that family's rows
     is within 1e-4 of the family's own adapter (so only that adapter, or a merge equal to it,

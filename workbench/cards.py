@@ -85,8 +85,9 @@ def format_cards(cards: list[dict]) -> str:
     pools = [c for c in cards if "adapters" in c]
     for p in pools:
         lines.append("")
+        init = ", each adapter from its own LoRA init" if p.get("init") == "per_adapter" else ""
         lines.append(f"LoRA pool on {p['base']} ({p['scale']}, rank {p['rank']}, scale "
-                     f"{p['lora_scale']}): adapter: own-family exact match (base), gain")
+                     f"{p['lora_scale']}{init}): adapter: own-family exact match (base), gain")
         lines.append("| adapter | own | base | gain | train s |")
         lines.append("|---|---|---|---|---|")
         for n, a in p["adapters"].items():

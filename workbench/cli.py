@@ -456,13 +456,13 @@ def cmd_zoo(args) -> int:
             print(f"removed {path}")
         return 0
     from .models import adapters, clip
-    buildable = sorted(zoo.RECIPES) + [adapters.POOL_NAME, clip.NAME]
+    buildable = sorted(zoo.RECIPES) + [*adapters.SHIPPED_POOLS, clip.NAME]
     unknown = [n for n in args.name if n not in buildable]
     if unknown:
         print(f"error: unknown recipe {unknown[0]!r}; recipes: {', '.join(buildable)}",
               file=sys.stderr)
         return 2
-    if args.all or len(args.name) > 1 or args.name in ([adapters.POOL_NAME], [clip.NAME]):
+    if args.all or len(args.name) > 1 or (args.name and args.name[0] in [*adapters.SHIPPED_POOLS, clip.NAME]):
         cards = adapters.build_all(args.scale, force=args.force, jobs=args.jobs,
                                    names=None if args.all else args.name)
         print(_format_cards(cards))

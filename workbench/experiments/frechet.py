@@ -24,7 +24,8 @@ from ..data import packing, tasks
 from ..methods import frechet as fr
 
 __all__ = ["train_prompts", "eval_sets", "pool_table", "Bench", "reparam_draws", "identity_errors",
-           "add_peft_merges", "score_merges", "paired_intervals", "karcher_gap", "mlp_forward", "train_mlp",
+           "add_peft_merges", "score_merges", "paired_intervals", "MERGEABLE_SHARE",
+           "mean_merge_kept", "karcher_gap", "mlp_forward", "train_mlp",
            "evaluate_mlp", "interpolation_path", "midpoints", "relabel_change", "flat", "unflat",
            "fisher_errors", "MERGES", "weighted_merges", "weight_table"]
 
@@ -199,6 +200,22 @@ def paired_intervals(items: dict, ours: str, rivals, seed: int = 0) -> pd.DataFr
     with its 95 % paired bootstrap interval (:func:`workbench.diagnostics.paired_bootstrap`,
     columns diff, low, high, n_items, n_seeds; a row per rival). Ours beats a rival when low > 0."""
     return dx.paired_table({r: (items[ours], items[r]) for r in rivals}, seed=seed)
+
+
+MERGEABLE_SHARE = 0.5    # the gate: the exact mean of the deltas keeps this share of every skill
+
+
+def mean_merge_kept(table: pd.DataFrame, families, merge: str = "cat_mean") -> dict:
+    """Per family f, the share of its adapter's gain that ``merge`` (by default the exact mean
+    of the deltas, rank N r) keeps on f: ``(merge - base) / (adapter f alone - base)`` in
+    :func:`score_merges`' table (None where the adapter does not gain). The mergeability gate:
+    a rank-r merge approximates that mean, so where it keeps less than
+    :data:`MERGEABLE_SHARE` of a skill, no merge at weights 1/N has a good merge to find."""
+    out = {}
+    for f in families:
+        base, own = table.loc["base", f], table.loc[f"adapter {f} alone", f]
+        out[f] = float((table.loc[merge, f] - base) / (own - base)) if own != base else None
+    return out
 
 
 def karcher_gap(hist: dict, k: int) -> float:

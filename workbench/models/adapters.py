@@ -10,6 +10,15 @@ under ``zoo_dir()/adapters/<base>-<scale>-<hash>/<family>``. The hash covers the
 the pool's settings and :data:`POOL_VERSION`; :func:`workbench.cache.build` makes concurrent callers
 build once, and a half-written pool is never read.
 
+``init`` says where each adapter starts. LoRA starts B at zero and draws A (peft's Kaiming-uniform)
+from torch's generator: ``"shared"`` seeds it with 0 for every adapter, so every adapter starts
+from the same A and their factors share a gauge; ``"per_adapter"`` seeds it from the adapter's
+name (:func:`init_seed`), so the adapters start from different A and their factors share no
+gauge (the misalignment a merge on the LoRA quotient, notebook 13, exists to undo). Everything
+else, the training prompts and their order included, is the same. The shipped pools
+(:data:`SHIPPED_POOLS`): every family from the shared init (:data:`POOL_NAME`), and the families
+that gain there, each from its own init (:data:`INIT_POOL_NAME`).
+
 ``card.json`` holds each adapter's exact match (greedy, the family's verifier, held-out prompts at
 the family's middle difficulty, :data:`workbench.evaluate.MIDDLE`) on its own family and on the
 others, the base model's score on each, and the train seconds. Load one adapter with
@@ -40,13 +49,15 @@ from .finetune import lora_model, train_steps
 
 __all__ = ["POOL_VERSION", "MIXTURES", "PoolSize", "POOL_SIZES", "Pool", "members", "pool_key",
            "adapters", "recipe_key", "pool_dir", "list_built", "build_all", "POOL_BASE", "POOL_NAME", "CLIP_NAME",
-           "BUILD_ORDER"]
+           "BUILD_ORDER", "INITS", "init_seed", "fresh_lora", "INIT_POOL_NAME",
+           "INIT_POOL_FAMILIES", "SHIPPED_POOLS"]
 
 POOL_VERSION = 2   # 2: the card's cat merges of every pair of gaining adapters
 MERGE_GAIN = 0.3   # an adapter "gains" (and enters the pairwise merges) at this own-minus-base
 MIXTURES = {"strings": ("reverse", "sort", "rotate", "swap", "dedupe"),
             "arith": ("add", "sub", "mul"),
             "recall": ("kv", "count", "pattern")}
+INITS = ("shared", "per_adapter")   # where each adapter's LoRA A starts (module docstring)
 
 
 @dataclass(frozen=True)
@@ -102,9 +113,20 @@ class Pool:
         return model.eval(), tok
 
 
-def pool_key(base: str, scale: str, names, rank: int, lora_scale: float, size: PoolSize) -> str:
+def init_seed(name: str, init: str = "shared") -> int:
+    """The torch seed adapter ``name`` draws its LoRA A from: 0 for every adapter under
+    ``"shared"``, one from the adapter's name under ``"per_adapter"``."""
+    if init not in INITS:
+        raise ValueError(f"init must be one of {INITS}, got {init!r}")
+    return 0 if init == "shared" else int(cache.key("lora-init", name, length=8), 16)
+
+
+def pool_key(base: str, scale: str, names, rank: int, lora_scale: float, size: PoolSize,
+             init: str = "shared") -> str:
     d = dict(base=zoo.key(base, zoo_scale(scale)), names=list(names), rank=rank,
              scale=lora_scale, size=asdict(size), version=POOL_VERSION)
+    if init != "shared":            # the shared-init pools keep the keys they were shipped at
+        d["init"] = init
     return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
 
 
@@ -115,28 +137,30 @@ def recipe_key(model_scale: str = "smoke") -> str:
 
 
 def pool_dir(base: str = "lm-base", model_scale: str = "smoke", families=None, rank: int = 8,
-             scale: float = 2.0) -> Path:
+             scale: float = 2.0, init: str = "shared") -> Path:
     """The cache folder of the pool :func:`adapters` builds with these arguments."""
     names, model_scale = tuple(families or zoo.ALL_FAMILIES), zoo_scale(model_scale)
-    key = pool_key(base, model_scale, names, rank, scale, POOL_SIZES[model_scale])
+    key = pool_key(base, model_scale, names, rank, scale, POOL_SIZES[model_scale], init)
     return zoo.zoo_dir() / "adapters" / f"{zoo.label(base)}-{model_scale}-{key}"
 
 
 def adapters(base: str = "lm-base", families=None, rank: int = 8, scale: float = 2.0,
-             model_scale: str = "smoke", force: bool = False) -> Pool:
+             model_scale: str = "smoke", force: bool = False, init: str = "shared") -> Pool:
     """The LoRA pool on zoo model ``base``: one adapter per name in ``families`` (task families,
-    ``"a+b"`` mixtures or :data:`MIXTURES` names; default every family), built on first use."""
+    ``"a+b"`` mixtures or :data:`MIXTURES` names; default every family), each starting from the
+    LoRA init ``init`` (:data:`INITS`), built on first use."""
     names, model_scale = tuple(families or zoo.ALL_FAMILIES), zoo_scale(model_scale)
     for n in names:
         members(n)
     if rank < 1:
         raise ValueError(f"rank must be >= 1, got {rank}")
+    init_seed(names[0], init)               # a clear error for an unknown init
     if not checkpoint.is_checkpoint(base):
         zoo.recipe(base).size(model_scale)      # clear errors for a bad base or scale
     size = POOL_SIZES[model_scale]
-    path = pool_dir(base, model_scale, names, rank, scale)
+    path = pool_dir(base, model_scale, names, rank, scale, init)
     cache.note_use("lora-pool")             # the base was noted by its recipe lookup
-    cache.build(path, lambda tmp: _build(base, model_scale, names, rank, scale, size, tmp),
+    cache.build(path, lambda tmp: _build(base, model_scale, names, rank, scale, size, tmp, init),
                 ready="card.json", force=force)
     return Pool(base, model_scale, path, json.loads((path / "card.json").read_text()))
 
@@ -151,7 +175,18 @@ def _train_pairs(names: tuple[str, ...], n: int, with_steps: bool, tok, seed: in
                                [e.completion(with_steps) for e in exs])
 
 
-def _build(base, model_scale, names, rank, lora_scale, size: PoolSize, out: Path):
+def fresh_lora(base: str, model_scale: str, name: str, rank: int = 8, lora_scale: float = 2.0,
+               init: str = "shared", device: str = "cpu"):
+    """Adapter ``name``'s untrained ``peft`` LoRA on a fresh copy of ``base``, as the pool trains
+    it: B = 0 and A drawn from :func:`init_seed`."""
+    # seeded before the load, as the shared-init pools were built (seed 0 for every adapter)
+    torch.manual_seed(init_seed(name, init))
+    fresh, _ = zoo.load(base, model_scale, device=device)
+    return lora_model(fresh, rank, lora_scale)
+
+
+def _build(base, model_scale, names, rank, lora_scale, size: PoolSize, out: Path,
+           init: str = "shared"):
     t_all = time.time()
     path, _ = zoo.ensure(base, model_scale)
     device = zoo.build_device(model_scale)         # a GPU for full-scale pools, as for zoo builds
@@ -164,6 +199,7 @@ def _build(base, model_scale, names, rank, lora_scale, size: PoolSize, out: Path
                                    for f, e in evals.items() if fams is None or f in fams})
     card = {"base": base, "base_key": model.zoo_card["key"], "scale": model_scale, "rank": rank,
             "lora_scale": lora_scale, "size": asdict(size), "pool_version": POOL_VERSION,
+            "init": init,
             "eval": "greedy exact match at each family's middle difficulty, held-out prompts",
             "base_accuracy": score(model), "adapters": {}}
     with torch_threads(os.environ.get("WORKBENCH_ZOO_THREADS", 1)):
@@ -174,9 +210,7 @@ def _build(base, model_scale, names, rank, lora_scale, size: PoolSize, out: Path
             banned = {e.prompt for f in fams for e in evals[f]}
             exs, pairs = _train_pairs(fams, size.n_train, with_steps, tok)
             pairs = [p for e, p in zip(exs, pairs) if e.prompt not in banned]
-            torch.manual_seed(0)            # before the load, as the cached pools were built
-            fresh, _ = zoo.load(base, model_scale, device=device)
-            peft_model = lora_model(fresh, rank, lora_scale)
+            peft_model = fresh_lora(base, model_scale, name, rank, lora_scale, init, device)
             losses = train_steps(peft_model, pairs, size.steps, size.batch, size.lr, 0,
                                  tok.pad_token_id)
             train_s = time.time() - t0
@@ -238,13 +272,16 @@ def list_built() -> list[dict]:
 
 # the pool ``workbench zoo build --all`` builds with the models
 POOL_BASE = "lm-base"
+# the families whose shared-init adapters gain at least MERGE_GAIN on the shipped card, trained
+# again from per-adapter inits: the pool whose factors start misaligned (notebook 13's mid bed)
+INIT_POOL_FAMILIES = ("addmod", "sort", "rotate", "swap", "dedupe", "pattern_skip")
 
 
 def _build_one(name: str, scale: str, force: bool) -> dict:
     """One job of :func:`build_all` (a top-level function, so a spawned worker can run it)."""
     try:
-        if name == POOL_NAME:
-            pool = adapters(POOL_BASE, model_scale=scale, force=force)
+        if name in SHIPPED_POOLS:
+            pool = adapters(POOL_BASE, model_scale=scale, force=force, **SHIPPED_POOLS[name])
             return {"name": name, **pool.card}
         if name == CLIP_NAME:
             return clip.build(scale, force=force)
@@ -254,6 +291,10 @@ def _build_one(name: str, scale: str, force: bool) -> dict:
 
 
 POOL_NAME = f"lora-pool/{POOL_BASE}"
+INIT_POOL_NAME = f"lora-pool/{POOL_BASE}-per-adapter-init"
+# the pools the checkout ships (workbench.models.shipped), by name: the arguments of adapters()
+SHIPPED_POOLS = {POOL_NAME: {"families": None, "init": "shared"},
+                 INIT_POOL_NAME: {"families": INIT_POOL_FAMILIES, "init": "per_adapter"}}
 CLIP_NAME = clip.NAME
 # the builds by their measured seconds at smoke (data/zoo.md), longest first; the pool after the
 # backbones it waits for (its base comes first)
@@ -271,9 +312,9 @@ def build_all(scale: str = "smoke", force: bool = False, jobs: int = 1,
     thread (the zoo's default), so two builds on a 2-core machine take about the time of one.
     The pool goes last: by then its base is built (and if not, its file lock waits for it);
     the mini-CLIP (:mod:`workbench.models.clip`) is built with them.
-    ``names`` picks recipes (and :data:`POOL_NAME`) instead of all."""
+    ``names`` picks recipes (and the pools of :data:`SHIPPED_POOLS`) instead of all."""
     if names is None:
-        names = [n for n in zoo.RECIPES if n != "lm-micro"] + [POOL_NAME, CLIP_NAME]
+        names = [n for n in zoo.RECIPES if n != "lm-micro"] + [*SHIPPED_POOLS, CLIP_NAME]
     if jobs <= 1:
         return [_build_one(n, scale, force) for n in names]
     # longest first, so no long build starts last beside an idle core (on two cores this order

@@ -48,8 +48,9 @@ def entries() -> dict[str, tuple[Path, str]]:
     out = {}
     for name, r in zoo.RECIPES.items():
         out[name] = (zoo.model_dir(name, SCALE).relative_to(zoo.zoo_dir()), r.key(SCALE))
-    pool = adapters.pool_dir(adapters.POOL_BASE, SCALE)
-    out[adapters.POOL_NAME] = (pool.relative_to(zoo.zoo_dir()), pool.name.rsplit("-", 1)[1])
+    for name, kw in adapters.SHIPPED_POOLS.items():
+        pool = adapters.pool_dir(adapters.POOL_BASE, SCALE, **kw)
+        out[name] = (pool.relative_to(zoo.zoo_dir()), pool.name.rsplit("-", 1)[1])
     c = clip.model_dir(SCALE)
     out[clip.NAME] = (c.relative_to(zoo.zoo_dir()), c.name.rsplit("-", 1)[1])
     return out
@@ -66,7 +67,7 @@ def check(root: Path | None = None) -> list[str]:
             problems.append(f"{name}: nothing shipped at {rel} (build it, then `workbench zoo ship`)")
             continue
         c = json.loads(card.read_text())
-        if name == adapters.POOL_NAME:
+        if name in adapters.SHIPPED_POOLS:
             if c.get("base_key") != zoo.recipe(adapters.POOL_BASE).key(SCALE):
                 problems.append(f"{name}: its card's base_key is not lm-base's key")
         elif c.get("key") != key:
