@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from workbench.data import tasks
-from workbench.evaluate import MIDDLE
+from workbench.evaluate import MIDDLE, heldout_examples
 from workbench.experiments import inducekv as lab
 from workbench.methods import inducekv as K
 from tiny_models import CharTok, tiny_llama
@@ -173,3 +173,28 @@ def test_replay_of_a_budget_below_one_entry_keeps_nothing_and_gains_nothing(tiny
     out = lab.replay_stream(ps, prepared, qk, 100, calib_steps=2)
     assert out["memory"].entries == [] and (out["made"].bytes == 0).all()
     assert np.nanmax(np.abs(out["gain"])) == 0 and np.nanmax(out["hit"]) == 0
+
+
+def test_a_task_of_an_in_context_family_holds_one_rule_in_every_split():
+    """tag@2 and tag@3 are tag under two fixed, distinct tag letters; every split of a task
+    follows its rule, the test prompts are distinct and none is a candidate's; ordinary
+    families keep the registry's draws."""
+    sizes = {"n_test": 12, "n_pool": 5, "n_probe": 3, "lora_train": 40}
+    scens = lab.scenarios("tag@2 tag@3 sort")
+    rules = lab.task_rules(scens, seed=10)
+    assert set(rules) == {"tag@2", "tag@3"} and rules["tag@2"] != rules["tag@3"]
+    assert rules == lab.task_rules(scens, seed=10) and rules != lab.task_rules(scens, seed=11)
+    data = lab.task_data(Tok(), scens, sizes, seed=10, with_steps=False)
+    for name in ("tag@2", "tag@3"):
+        d = data[name]
+        assert d["rule"] == rules[name]
+        for split in ("test", "pool", "probes", "train"):
+            assert all(e.metadata["rule"] == rules[name] and e.target.endswith(rules[name])
+                       for e in d[split])
+        tests_ = {e.prompt for e in d["test"]}
+        assert len(tests_) == len(d["test"]) == 12
+        assert not tests_ & {e.prompt for e in d["pool"] + d["probes"] + d["train"]}
+    assert data["sort"]["rule"] is None
+    assert [e.prompt for e in data["sort"]["test"]] == [
+        e.prompt for e in heldout_examples("sort", MIDDLE["sort"], 12, seed=999)[0]]
+    assert "rule" in lab.data_summary(scens, data)

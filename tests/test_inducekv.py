@@ -283,3 +283,36 @@ def test_lora_training_leaves_the_backbone_weights_unchanged(tiny):
     for n, p in base_w.items():
         key = n.replace(".base_layer", "")
         assert torch.equal(p, orig[key]), n
+
+
+class DocTok(CharTok):
+    """CharTok with the context separator, so examples can be laid out as one document."""
+    def __init__(self):
+        super().__init__()
+        self.vocab[tasks.CONTEXT_SEP] = len(self.vocab) + 3
+
+
+def test_document_entry_and_its_query_read_as_one_training_document():
+    """A document entry is ``<bos> prompt completion SEP`` and a query scored after it continues
+    that document: its answer log-likelihood and exact match equal those of the whole text
+    ``<bos> demo SEP query answer <eos>`` run at once (how the zoo's documents are laid out)."""
+    model, _ = tiny_llama(n_layers=2)
+    tok = DocTok()
+    model.resize_token_embeddings(len(tok), mean_resizing=False)
+    pre, *qs = tasks.generate("sort", 4, seed=5, difficulty=4)
+    e = K.make_entry(model, tok, pre, document=True)
+    plain = K.make_entry(model, tok, pre)
+    sep = tok.vocab[tasks.CONTEXT_SEP]
+    assert e.document and e.ids == plain.ids[:-1] + [sep] and e.n_prompt == plain.n_prompt
+    assert e.nbytes == plain.nbytes                      # one token for one token
+    lp, ex = K.answer_scores(model, tok, qs, [e])
+    for q, l, x in zip(qs, lp, ex):
+        p, c = tok(q.prompt)["input_ids"], tok(q.completion())["input_ids"] + [tok.eos_token_id]
+        ids = torch.tensor([e.ids + p + c])
+        labels = torch.tensor([[-100] * (e.length + len(p)) + c])
+        with torch.no_grad():
+            ref_lp, ref_ex = K.score_logits(model(input_ids=ids).logits, labels)
+        assert abs(ref_lp[0] - l) < 1e-4 and ref_ex[0] == x
+    # after an <eos> entry the query starts a document of its own (<bos>): another text
+    lp_plain, _ = K.answer_scores(model, tok, qs, [plain])
+    assert not np.allclose(lp_plain, lp)

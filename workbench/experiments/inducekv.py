@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
+import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -52,7 +54,7 @@ __all__ = ["Settings", "parse_stream", "scenarios", "frozen_backbone", "task_dat
            "diagnostics", "footprint", "slug", "PairScores", "pair_scores", "replay_stream",
            "stream_figure", "gated_moe", "VQA_TASKS", "vqa_stream",
            "MultimodalBackbone", "vqa_data", "projector_state", "multimodal_backbone",
-           "prefix_check"]
+           "prefix_check", "task_rules"]
 
 
 # -- the stream and its data ---------------------------------------------------------------------
@@ -84,27 +86,62 @@ def frozen_backbone(model: str, scale: str, device="cpu"):
     return lm, tok
 
 
+def task_rules(scens: dict, seed: int) -> dict[str, object]:
+    """The rule of every task of an in-context family (:data:`tasks.ICL_FAMILIES`: a tag
+    letter, a substitution, ...), drawn once per task and seed and distinct between tasks of
+    one family: such a task is its family under one fixed rule, which a prompt alone does not
+    show and an entry of the task does."""
+    rng, rules = random.Random(zlib.crc32(f"rules:{seed}".encode())), {}
+    for items in scens.values():
+        for name, fam, _ in items:
+            draw = tasks.get(fam).rule
+            if draw is None or name in rules:
+                continue
+            taken = [r for n, r in rules.items() if n.partition("@")[0] == fam]
+            rule = draw(rng)
+            while rule in taken:
+                rule = draw(rng)
+            rules[name] = rule
+    return rules
+
+
+def _examples(fam: str, n: int, seed: int, d: int, rule=None) -> list:
+    """``n`` seeded examples of ``fam`` at difficulty ``d``, under one ``rule`` when given."""
+    if rule is None:
+        return tasks.generate(fam, n, seed, d)
+    rng = random.Random(zlib.crc32(f"{fam}:{seed}:{d}:rule".encode()))
+    return [tasks.get(fam).make(rng, d, rule) for _ in range(n)]
+
+
 def task_data(tok, scens: dict, sizes: dict, seed: int, with_steps: bool) -> dict[str, dict]:
     """Per task of every scenario: ``test`` (the pool card's held-out problems), ``pool`` and
     ``probes`` (candidate prefixes and likelihood probes, never a test prompt, one seeded
     permutation shared by the stream), ``train`` and ``pairs`` (LoRA training examples at every
-    difficulty of the family, as the pool trained, or at the one level named)."""
+    difficulty of the family, as the pool trained, or at the one level named). A task of an
+    in-context family holds its rule (:func:`task_rules`) in every split, and its test problems
+    are drawn under it (distinct prompts, none a candidate's)."""
     rs = np.random.default_rng(seed)
+    rules = task_rules(scens, seed)
     data = {}
     for items in scens.values():
         for name, fam, d in items:
-            test = heldout_examples(fam, d, sizes["n_test"], seed=999)[0]
+            rule = rules.get(name)
+            if rule is None:
+                test = heldout_examples(fam, d, sizes["n_test"], seed=999)[0]
+            else:
+                test = list({e.prompt: e for e in _examples(fam, 4 * sizes["n_test"], 999, d,
+                                                             rule)}.values())[: sizes["n_test"]]
             banned = {e.prompt for e in test}
-            cand = [e for e in tasks.generate(fam, 6 * (sizes["n_pool"] + sizes["n_probe"]),
-                                              seed + 100, d) if e.prompt not in banned]
+            cand = [e for e in _examples(fam, 6 * (sizes["n_pool"] + sizes["n_probe"]),
+                                         seed + 100, d, rule) if e.prompt not in banned]
             cand = list({e.prompt: e for e in cand}.values())
             pick = rs.permutation(len(cand))
             levels = [d] if "@" in name else tasks.get(fam).difficulties
-            train = [e for lv in levels for e in tasks.generate(
-                fam, -(-sizes["lora_train"] // len(levels)), seed + 200, lv)
+            train = [e for lv in levels for e in _examples(
+                fam, -(-sizes["lora_train"] // len(levels)), seed + 200, lv, rule)
                 if e.prompt not in banned]
             n_pool = sizes["n_pool"]
-            data[name] = {"family": fam, "difficulty": d, "test": test,
+            data[name] = {"family": fam, "difficulty": d, "rule": rule, "test": test,
                           "pool": [cand[i] for i in pick[:n_pool]],
                           "probes": [cand[i] for i in pick[n_pool: n_pool + sizes["n_probe"]]],
                           "train": train,
@@ -114,8 +151,10 @@ def task_data(tok, scens: dict, sizes: dict, seed: int, with_steps: bool) -> dic
 
 
 def data_summary(scens: dict, data: dict) -> pd.DataFrame:
-    """One row per task: scenario, family, difficulty and the sizes of its splits."""
+    """One row per task: scenario, family, difficulty, rule (in-context families) and the sizes
+    of its splits."""
     return pd.DataFrame([{"scenario": s, "task": n, "family": f, "difficulty": d,
+                          "rule": data[n].get("rule"),
                           "test": len(data[n]["test"]), "candidates": len(data[n]["pool"]),
                           "probes": len(data[n]["probes"]), "lora_examples": len(data[n]["pairs"])}
                          for s, items in scens.items() for n, f, d in items])
@@ -344,11 +383,13 @@ def generate_matches(lm, tok, data: dict, names: list[str], with_steps: bool,
 class Settings:
     """What every run on one stream shares: the deployed-byte ``budget``, the notebook's sizes
     (``sizes``, its ``S``), the ``seed``, and whether answers are written with their steps
-    (``with_steps``, :func:`workbench.models.zoo.with_steps`)."""
+    (``with_steps``, :func:`workbench.models.zoo.with_steps`), and whether InduceKV's entries
+    are demonstrations of one document (``document``, :func:`K.prefix_ids`)."""
     budget: int
     sizes: dict
     seed: int
     with_steps: bool
+    document: bool = False
 
 
 def run_inducekv(lm, tok, scens: dict, data: dict, cfg: Settings):
@@ -359,8 +400,8 @@ def run_inducekv(lm, tok, scens: dict, data: dict, cfg: Settings):
     budget, sizes, seed, with_steps = cfg.budget, cfg.sizes, cfg.seed, cfg.with_steps
     prep, qk, ikv = {}, {}, {}
     for scen, items in scens.items():
-        prep[scen] = [K.prepare(lm, tok, n, data[n]["pool"], data[n]["probes"], with_steps)
-                      for n, _, _ in items]
+        prep[scen] = [K.prepare(lm, tok, n, data[n]["pool"], data[n]["probes"], with_steps,
+                                cfg.document) for n, _, _ in items]
         qk[scen] = {}
         ikv[scen] = K.run_stream(lm, tok, prep[scen], {n: data[n]["test"] for n, _, _ in items},
                                  budget, "bilevel", sizes["top_k"], with_steps=with_steps,

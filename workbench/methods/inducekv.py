@@ -9,6 +9,10 @@ An entry is one selected training prefix ``x = <bos> prompt completion <eos>`` s
 - its layerwise **key/value payload** ``{(K_l, V_l)}_l``: exactly what the backbone's
   self-attention cache holds after reading ``x`` (keys post-rotary, at positions ``0..L-1``).
 
+An entry may instead be rendered as the first demonstration of a document,
+``<bos> prompt completion \n`` (:func:`prefix_ids`), with the query continuing it: the layout in
+which the zoo's LMs learned to read examples in context.
+
 At test time the query's key retrieves the top-k entries under a light calibration; their
 payloads are written into a ``transformers`` :class:`~transformers.DynamicCache` and the query runs
 on top with position ids starting after them (:func:`build_cache`, :func:`forward_with_entries`).
@@ -48,7 +52,7 @@ import torch
 from torch.nn import functional as F
 from transformers import DynamicCache
 
-from ..data import packing
+from ..data import packing, tasks
 
 __all__ = ["TOKEN_BYTES", "Entry", "tensor_bytes", "prefix_ids", "make_entry", "query_keys",
            "rotate_half", "shift_keys", "build_cache", "forward_with_entries", "answer_scores",
@@ -73,6 +77,7 @@ class Entry:
     n_prompt: int                        # tokens of <bos> + prompt (the answer starts after)
     utility: float = 0.0                 # the selection score it was admitted with
     example: object = None               # the source example (its text is ``ids``)
+    document: bool = False               # a demonstration of one document (see prefix_ids)
 
     @property
     def length(self) -> int:
@@ -93,28 +98,38 @@ def _backbone(model):
     return model.get_decoder() if hasattr(model, "get_decoder") else model.model
 
 
-def prefix_ids(tok, example, with_steps: bool = False) -> tuple[list[int], int]:
-    """``(<bos> prompt completion <eos>, len(<bos> prompt))`` token ids of a training example."""
+def prefix_ids(tok, example, with_steps: bool = False,
+               document: bool = False) -> tuple[list[int], int]:
+    """``(<bos> prompt completion <eos>, len(<bos> prompt))`` token ids of a training example.
+
+    ``document``: ``<bos> prompt completion`` then the context separator instead of ``<eos>``,
+    the first demonstration of a document as the zoo's LMs learned to read examples in context
+    (:func:`workbench.models.training.encode_documents`); a query scored after such entries
+    continues the document (:func:`answer_scores`)."""
     (ids, labels), = packing.encode(tok, [example.prompt], [example.completion(with_steps)])
     n_prompt = next(i for i, y in enumerate(labels) if y != packing.IGNORE)
+    if document:
+        ids = ids[:-1] + tok(tasks.CONTEXT_SEP, add_special_tokens=False)["input_ids"]
     return ids, n_prompt
 
 
 @torch.no_grad()
-def make_entry(model, tok, example, task: str | None = None, with_steps: bool = False) -> Entry:
+def make_entry(model, tok, example, task: str | None = None, with_steps: bool = False,
+               document: bool = False) -> Entry:
     """The entry of one training example: one forward pass of the frozen backbone.
 
     The payload is what the model's own ``DynamicCache`` holds after the prefix; the retrieval
     key is the mean last hidden state over the prompt tokens (causal, so the same as a query of
-    that prompt alone would compute)."""
-    ids, n_prompt = prefix_ids(tok, example, with_steps)
+    that prompt alone would compute). ``document``: rendered as :func:`prefix_ids` says."""
+    ids, n_prompt = prefix_ids(tok, example, with_steps, document)
     x = torch.tensor([ids], device=model.device)
     out = model(input_ids=x, use_cache=True, output_hidden_states=True)
     cache = out.cache
     keys = tuple(layer.keys[0].detach().clone() for layer in cache.layers)
     values = tuple(layer.values[0].detach().clone() for layer in cache.layers)
     key = out.hidden_states[-1][0, 1:n_prompt].mean(0).detach().clone()
-    return Entry(task or example.family, key, keys, values, ids, n_prompt, example=example)
+    return Entry(task or example.family, key, keys, values, ids, n_prompt, example=example,
+                 document=document)
 
 
 @torch.no_grad()
@@ -193,7 +208,9 @@ def answer_scores(model, tok, examples, entries=None, with_steps: bool = False, 
     writes exactly ``completion <eos>``, the verifier's exact match).
 
     ``entries``: None, one list of entries for all, or one list per example (examples with
-    the same entries are batched together)."""
+    the same entries are batched together). After document entries (:func:`prefix_ids`) the
+    query continues their document: its ``<bos>`` is dropped, so entry and query read as the
+    backbone's training documents, ``<bos> demo \\n query answer <eos>``."""
     n = len(examples)
     if entries is None or (entries and isinstance(entries[0], Entry)):
         entries = [entries or []] * n
@@ -207,7 +224,9 @@ def answer_scores(model, tok, examples, entries=None, with_steps: bool = False, 
         es = entries[idx[0]]
         for s in range(0, len(idx), batch):
             chunk = idx[s: s + batch]
-            b = packing.pad([pairs[i] for i in chunk], tok.pad_token_id)
+            cut = int(bool(es) and es[-1].document)      # continue the entries' document
+            b = packing.pad([(pairs[i][0][cut:], pairs[i][1][cut:]) for i in chunk],
+                            tok.pad_token_id)
             ids, labels = b["input_ids"].to(model.device), b["labels"].to(model.device)
             logits = forward_with_entries(model, list(es), ids).logits
             logp[chunk], exact[chunk] = score_logits(logits, labels)
@@ -485,10 +504,12 @@ class Prepared:
     passes: int                    # example-forward passes spent preparing
 
 
-def prepare(model, tok, task: str, train, probes, with_steps: bool = False) -> Prepared:
+def prepare(model, tok, task: str, train, probes, with_steps: bool = False,
+            document: bool = False) -> Prepared:
     """Entries for every candidate prefix in ``train`` and their likelihood gains on
-    ``probes`` (both from the task's training split)."""
-    cands = [make_entry(model, tok, e, task, with_steps) for e in train]
+    ``probes`` (both from the task's training split); ``document``: entries rendered as
+    demonstrations of one document (:func:`prefix_ids`)."""
+    cands = [make_entry(model, tok, e, task, with_steps, document) for e in train]
     lik = likelihood_gain(model, tok, cands, probes, with_steps)
     pool = torch.cat([torch.stack([c.key for c in cands]), query_keys(model, tok, probes)])
     return Prepared(task, cands, lik, pool,
