@@ -204,8 +204,8 @@ def test_cli_builds_several_names_together_and_refuses_unknown_ones(monkeypatch,
 def test_build_order_names_every_buildable_recipe_and_puts_the_pool_after_its_base():
     from workbench.models import adapters
     order = adapters.BUILD_ORDER
-    assert sorted(order) == sorted([*zoo.RECIPES, adapters.POOL_NAME, adapters.CLIP_NAME])
-    assert order.index(adapters.POOL_BASE) < order.index(adapters.POOL_NAME)
+    assert sorted(order) == sorted([*zoo.RECIPES, *adapters.SHIPPED_POOLS, adapters.CLIP_NAME])
+    assert all(order.index(adapters.POOL_BASE) < order.index(p) for p in adapters.SHIPPED_POOLS)
 
 
 def test_build_all_in_parallel_keeps_order_and_reports_a_failed_build(cache):

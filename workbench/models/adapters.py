@@ -299,18 +299,19 @@ CLIP_NAME = clip.NAME
 # the builds by their measured seconds at smoke (data/zoo.md), longest first; the pool after the
 # backbones it waits for (its base comes first)
 BUILD_ORDER = ["lm-base", "lm-gpt2", "lm-qwen2", "lm-reasoning", "lm-instruct", POOL_NAME,
-               "lm-qbed", CLIP_NAME, "lm-tiny", "lm-micro"]
+               INIT_POOL_NAME, "lm-qbed", CLIP_NAME, "lm-tiny", "lm-micro"]
 
 
 def build_all(scale: str = "smoke", force: bool = False, jobs: int = 1,
               names: list[str] | None = None) -> list[dict]:
-    """Build every recipe (but the test-only lm-micro) and the LoRA pool on :data:`POOL_BASE`;
+    """Build every recipe (but the test-only lm-micro) and the LoRA pools on :data:`POOL_BASE`
+    (:data:`SHIPPED_POOLS`);
     return their cards in recipe order. One failing build does not stop the others (its card
     says why).
 
     ``jobs > 1`` builds that many at a time in spawned worker processes, each training on one
     thread (the zoo's default), so two builds on a 2-core machine take about the time of one.
-    The pool goes last: by then its base is built (and if not, its file lock waits for it);
+    The pools go after their base: by then it is built (and if not, its file lock waits for it);
     the mini-CLIP (:mod:`workbench.models.clip`) is built with them.
     ``names`` picks recipes (and the pools of :data:`SHIPPED_POOLS`) instead of all."""
     if names is None:
