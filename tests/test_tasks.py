@@ -143,3 +143,16 @@ def test_draw_problems_takes_n_per_level_from_one_side_only():
     assert not {e.prompt for e in train} & {e.prompt for e in test}      # disjoint sides
     again = T.draw_problems(fams, 3, "train", np.random.default_rng(0))
     assert [e.prompt for e in again] == [e.prompt for e in train]
+
+
+def test_a_fixed_rule_holds_in_every_example_and_keeps_the_other_draws():
+    per_example = T.generate("tag", 40, seed=3, difficulty=3)
+    fixed = T.generate("tag", 40, seed=3, difficulty=3, rule="q")
+    assert len({e.metadata["rule"] for e in per_example}) > 1
+    assert all(e.metadata["rule"] == "q" and e.target.endswith("q") for e in fixed)
+    assert [e.prompt for e in fixed] == [e.prompt for e in
+                                         T.generate("tag", 40, seed=3, difficulty=3, rule="q")]
+    assert [e.prompt for e in per_example] == [e.prompt for e in
+                                               T.generate("tag", 40, seed=3, difficulty=3)]
+    with pytest.raises(ValueError, match="not an in-context family"):
+        T.generate("sort", 2, rule="q")

@@ -110,18 +110,23 @@ class Family:
     make_context: Callable | None = None  # ``(rng, shots, difficulty) -> examples``: a family
     #                                       whose context is not ``shots`` independent demos
 
-    def generate(self, n: int, seed: int = 0, difficulty: int | None = None) -> list[Example]:
+    def generate(self, n: int, seed: int = 0, difficulty: int | None = None,
+                 rule=None) -> list[Example]:
         """``n`` examples, the same for the same (family, seed, difficulty) on every machine.
 
         ``difficulty=None`` draws each example's difficulty uniformly from ``difficulties``.
+        ``rule``: for an in-context family, one fixed rule for every example (a task that is the
+        family under that rule) instead of one drawn per example; its draws are keyed apart.
         """
-        key = f"{self.stream or self.name}:{seed}:{difficulty}".encode()
-        rng = random.Random(zlib.crc32(key))
+        if rule is not None and self.rule is None:
+            raise ValueError(f"{self.name!r} is not an in-context family: it takes no rule")
+        key = f"{self.stream or self.name}:{seed}:{difficulty}" + (":rule" if rule is not None else "")
+        rng = random.Random(zlib.crc32(key.encode()))
         out = []
         for _ in range(n):
             d = difficulty if difficulty is not None else rng.choice(self.difficulties)
             out.append(self.make(rng, int(d)) if self.rule is None else
-                       self.make(rng, int(d), self.rule(rng)))
+                       self.make(rng, int(d), self.rule(rng) if rule is None else rule))
         return out
 
     def context(self, rng: random.Random, shots: int, difficulty: int | None = None) -> list[Example]:
@@ -439,9 +444,10 @@ def difficulties(family: str, easiest: int | None) -> tuple[int, ...]:
     return d if easiest is None else d[:easiest]
 
 
-def generate(name: str, n: int, seed: int = 0, difficulty: int | None = None) -> list[Example]:
+def generate(name: str, n: int, seed: int = 0, difficulty: int | None = None,
+             rule=None) -> list[Example]:
     """``n`` seeded examples of family ``name`` (see :meth:`Family.generate`)."""
-    return get(name).generate(n, seed, difficulty)
+    return get(name).generate(n, seed, difficulty, rule)
 
 
 def score(example: Example, completion: str) -> float:

@@ -105,14 +105,6 @@ def task_rules(scens: dict, seed: int) -> dict[str, object]:
     return rules
 
 
-def _examples(fam: str, n: int, seed: int, d: int, rule=None) -> list:
-    """``n`` seeded examples of ``fam`` at difficulty ``d``, under one ``rule`` when given."""
-    if rule is None:
-        return tasks.generate(fam, n, seed, d)
-    rng = random.Random(zlib.crc32(f"{fam}:{seed}:{d}:rule".encode()))
-    return [tasks.get(fam).make(rng, d, rule) for _ in range(n)]
-
-
 def task_data(tok, scens: dict, sizes: dict, seed: int, with_steps: bool) -> dict[str, dict]:
     """Per task of every scenario: ``test`` (the pool card's held-out problems), ``pool`` and
     ``probes`` (candidate prefixes and likelihood probes, never a test prompt, one seeded
@@ -129,15 +121,15 @@ def task_data(tok, scens: dict, sizes: dict, seed: int, with_steps: bool) -> dic
             if rule is None:
                 test = heldout_examples(fam, d, sizes["n_test"], seed=999)[0]
             else:
-                test = list({e.prompt: e for e in _examples(fam, 4 * sizes["n_test"], 999, d,
-                                                             rule)}.values())[: sizes["n_test"]]
+                drawn = tasks.generate(fam, 4 * sizes["n_test"], 999, d, rule)
+                test = list({e.prompt: e for e in drawn}.values())[: sizes["n_test"]]
             banned = {e.prompt for e in test}
-            cand = [e for e in _examples(fam, 6 * (sizes["n_pool"] + sizes["n_probe"]),
-                                         seed + 100, d, rule) if e.prompt not in banned]
+            cand = [e for e in tasks.generate(fam, 6 * (sizes["n_pool"] + sizes["n_probe"]),
+                                              seed + 100, d, rule) if e.prompt not in banned]
             cand = list({e.prompt: e for e in cand}.values())
             pick = rs.permutation(len(cand))
             levels = [d] if "@" in name else tasks.get(fam).difficulties
-            train = [e for lv in levels for e in _examples(
+            train = [e for lv in levels for e in tasks.generate(
                 fam, -(-sizes["lora_train"] // len(levels)), seed + 200, lv, rule)
                 if e.prompt not in banned]
             n_pool = sizes["n_pool"]
