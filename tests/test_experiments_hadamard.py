@@ -158,3 +158,42 @@ def test_other_agents_skip_when_unsized_and_summarize_when_run():
     ci = X.other_agents_intervals(other)
     assert list(ci.index) == [f"{a}_{n}" for a in ("pqn", "sac")
                               for n in ("c1", "c4", "erank_std", "erank_wide")]
+
+
+def test_diagnostics_are_read_per_task_of_a_stream():
+    steps = np.array([256, 512, 768, 1024, 1280, 1536, 1792, 2048])   # 2 tasks of 1024 steps
+    assert X.task_of(steps, 1024).tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert X.task_of(steps, 0).tolist() == [0] * 8
+
+    class Tr(dict):
+        pass
+    Tr.steps = steps.tolist()
+
+    def run(inactive, erank):
+        return {"tracker": Tr(inactive=np.array(inactive, float), erank=np.array(erank, float),
+                              dormant=np.zeros(8), saturated=np.zeros(8), srank=np.ones(8))}
+    res = {k: [run([0, 0, .1, .1, .3, .3, .2, .4], [9, 9, 5, 5, 4, 4, 2, 2]),
+               run([0, 0, .2, .2, .5, .5, .4, .4], [9, 9, 6, 6, 5, 5, 3, 3])] for k in hr.TORSOS}
+    per = X.per_task(res, steps, 1024, "standard", "inactive")   # the second half of each task
+    np.testing.assert_allclose(per, [[0.1, 0.3], [0.2, 0.4]])
+    table = X.task_table(res, steps, 1024)
+    assert table.loc[("hadamard", 2), "erank"] == pytest.approx(2.5) and len(table) == 6
+    bed = X.stream_degradation(res, steps, 1024)
+    assert bed.loc["inactive_rise", "diff"] == pytest.approx(0.2)
+    assert bed.loc["inactive_rise", "low"] > 0
+    assert bed.loc["erank_drop", "diff"] == pytest.approx(3.0) and bed.loc["erank_drop", "low"] > 0
+
+
+def test_a_stream_run_is_evaluated_on_its_last_task(monkeypatch):
+    setup = X.make_setup(dict(S, n_inner_seeds=1, total_timesteps=512,
+                              ppo=dict(S["ppo"], task_steps=256)), "ppo", "tanh", 0,
+                         tau=0.1, activity_tau=0.1, device="cpu")
+    r = X.train_one(setup, "standard", 0)
+    assert r["eval_stream"].first_task == 1 and r["eval_stream"].task_steps == 0
+    made, make = [], X.make_vec_env
+    monkeypatch.setattr(X, "make_vec_env", lambda *a: made.append(a[3:]) or make(*a))
+    X.final_returns(setup, {k: [r] for k in hr.TORSOS}, 4, 5, greedy=True)
+    assert made == [(r["eval_stream"],)] * 3               # every torso plays the last task
+    one_task = X.make_setup(dict(S, total_timesteps=256), "ppo", "tanh", 0, tau=0.1,
+                            activity_tau=0.1, device="cpu")
+    assert X.train_one(one_task, "standard", 0)["eval_stream"] is None

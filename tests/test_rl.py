@@ -148,3 +148,35 @@ def test_ppo_runs_on_minatar():
 def test_env_ids_cover_the_three_families():
     fams = {env_family(e) for e in ENV_IDS}
     assert fams == {"classic", "minatar", "ale"}
+
+
+def test_a_task_stream_permutes_the_features_and_switches_in_lockstep():
+    from workbench.rl.envs import TaskStream, signed_permutation
+    order, signs = signed_permutation(4, 7, 0)
+    assert order.tolist() == [0, 1, 2, 3] and (signs == 1).all()          # the first task: the env
+    for task in range(1, 30):
+        o, s = signed_permutation(4, 7, task)
+        assert sorted(o.tolist()) == [0, 1, 2, 3] and set(s.tolist()) <= {-1.0, 1.0}
+        assert not (o.tolist() == [0, 1, 2, 3] and (s == 1).all())        # never the identity
+        assert np.array_equal(o, signed_permutation(4, 7, task)[0])       # drawn from (seed, task)
+    plain = make_vec_env("CartPole-v1", 2, 0)
+    permuted = make_vec_env("CartPole-v1", 2, 0, TaskStream(3, 7))
+    a, b = plain.reset(seed=0)[0], permuted.reset(seed=0)[0]
+    np.testing.assert_array_equal(a, b)                                   # task 0 until 3 steps
+    for step in range(1, 8):
+        a, b = plain.step(np.zeros(2, int))[0], permuted.step(np.zeros(2, int))[0]
+        order, signs = signed_permutation(4, 7, step // 3)
+        np.testing.assert_allclose(b, signs * a[:, order])                # both copies, same task
+    later = make_vec_env("CartPole-v1", 2, 0, TaskStream(0, 7, first_task=2))   # held at task 2
+    order, signs = signed_permutation(4, 7, 2)
+    np.testing.assert_allclose(later.reset(seed=0)[0], signs * plain.reset(seed=0)[0][:, order])
+
+
+def test_ppo_on_a_task_stream_reports_its_last_task():
+    torso_fn = torso_factory("standard", "classic", width=8)
+    s = PPOSettings(total_timesteps=1024, num_envs=4, num_steps=32, task_steps=256)
+    assert train_ppo(s, torso_fn, seed=0)["task"] == 3                    # 4 tasks of 256 steps
+    one_task = PPOSettings(total_timesteps=256, num_envs=4, num_steps=32)
+    assert train_ppo(one_task, torso_fn)["task"] == 0
+    with pytest.raises(ValueError, match="multiple of num_envs"):
+        PPOSettings(num_envs=4, task_steps=250).stream(0)

@@ -9,6 +9,10 @@ final return, PPO's own update diagnostics, the ReLU comparison, the saturation 
 branch, and the singular spectrum of the representation. The explorer scales the trained
 torsos' pre-activations by a gain and counts saturated units again (:func:`gain_table`,
 :func:`gain_figure`): the p against p squared of one branch against a product of two.
+
+With ``task_steps`` in PPO's settings the runs train on a stream of permuted-input tasks
+(:class:`workbench.rl.envs.TaskStream`); :func:`task_table` then reads the diagnostics per task and
+:func:`stream_degradation` checks that the standard torso loses capacity along the stream.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from workbench.env import interactive
 from workbench.methods import hadamard as hr
 from workbench.rl import env_family, make_vec_env
 from workbench.rl.dqn import DQNSettings, train_dqn
+from workbench.rl.envs import TaskStream
 from workbench.rl.ppo import PPOSettings, train_ppo
 
 __all__ = ["AGENTS", "LABEL", "PPO_LOGS", "Setup", "make_setup", "torso_sizes", "train_one",
@@ -35,7 +40,8 @@ __all__ = ["AGENTS", "LABEL", "PPO_LOGS", "Setup", "make_setup", "torso_sizes", 
            "curves_by_torso", "ppo_logs", "ppo_log_means", "relu_summary", "branch_saturation",
            "spectrum_figure", "spectrum_slider", "spectrum_start_end", "preactivations",
            "saturation_at", "gain_table", "gain_figure", "OTHER_AGENTS",
-           "train_other_agents", "other_agents_summary", "other_agents_intervals"]
+           "train_other_agents", "other_agents_summary", "other_agents_intervals", "task_of",
+           "per_task", "task_table", "stream_degradation"]
 
 AGENTS = ("ppo", "dqn")
 LABEL = {"standard": "standard", "hadamard": "HR", "wide": "wide (param-matched)"}
@@ -90,7 +96,8 @@ def train_one(setup: Setup, kind: str, inner_seed: int, act: str | None = None,
     """Train one agent with one torso; returns its diagnostics per checkpoint (``tracker``), the
     singular values per checkpoint (``spectra``), its finished episodes ((step, return) rows),
     PPO's per-update ``logs``, ``sps``, the trained network (``policy``: PPO's actor-critic or
-    DQN's Q-network) and the last torso and states measured."""
+    DQN's Q-network), ``eval_stream`` (on a task stream, the last task trained on, where the
+    network is evaluated; else None) and the last torso and states measured."""
     act = act or setup.activation
     seed_everything(inner_seed)
     torso_fn = hr.torso_factory(kind, setup.family, setup.width, act)
@@ -115,7 +122,9 @@ def train_one(setup: Setup, kind: str, inner_seed: int, act: str | None = None,
     return {"tracker": tr, "spectra": spectra,
             "episodes": np.array(out["episodes"], float).reshape(-1, 2),
             "logs": pd.DataFrame(out.get("logs", [])), "sps": out["sps"],
-            "policy": out["agent"] if setup.agent == "ppo" else out["q_network"], **last}
+            "policy": out["agent"] if setup.agent == "ppo" else out["q_network"],
+            "eval_stream": TaskStream(0, inner_seed, out["task"]) if out.get("task") else None,
+            **last}
 
 
 def train_torsos(setup: Setup, progress=lambda it, **kw: it, act: str | None = None,
@@ -215,12 +224,13 @@ def policy_actions(net: torch.nn.Module, obs: torch.Tensor,
 
 
 def eval_returns(env_id: str, net: torch.nn.Module, n_episodes: int, seed: int,
-                 greedy: bool = False) -> np.ndarray:
+                 greedy: bool = False, stream: TaskStream | None = None) -> np.ndarray:
     """The return of one episode of ``net`` (:func:`policy_actions`, actions sampled from a
     generator seeded with ``seed`` unless ``greedy``) per environment, the environments reset
     with seeds ``seed, seed + 1, ..., seed + n_episodes - 1``: the same episodes (items) for
-    every network given the same seed, so two networks' returns pair item by item."""
-    envs = make_vec_env(env_id, n_episodes, seed)
+    every network given the same seed, so two networks' returns pair item by item. ``stream``:
+    the task to play (a run's ``eval_stream``; None: the environment itself)."""
+    envs = make_vec_env(env_id, n_episodes, seed, stream)
     obs, _ = envs.reset(seed=seed)
     device, out = next(net.parameters()).device, np.full(n_episodes, np.nan)
     gen = None if greedy else torch.Generator().manual_seed(seed)
@@ -238,9 +248,11 @@ def eval_returns(env_id: str, net: torch.nn.Module, n_episodes: int, seed: int,
 def final_returns(setup: Setup, results: dict, n_episodes: int, seed: int,
                   greedy: bool = False) -> dict:
     """kind -> (inner seeds x episodes) returns of the trained networks, every network on the same
-    ``n_episodes`` evaluation episodes (:func:`eval_returns` from ``seed``)."""
-    return {k: np.stack([eval_returns(setup.env_id, r["policy"], n_episodes, seed, greedy)
-                         for r in results[k]]) for k in hr.TORSOS}
+    ``n_episodes`` evaluation episodes (:func:`eval_returns` from ``seed``), on a task stream
+    the last task each run trained on (the same for the three torsos of an inner seed)."""
+    return {k: np.stack([eval_returns(setup.env_id, r["policy"], n_episodes, seed, greedy,
+                                      r.get("eval_stream")) for r in results[k]])
+            for k in hr.TORSOS}
 
 
 def claim_intervals(results: dict, steps, final: dict) -> pd.DataFrame:
@@ -466,3 +478,49 @@ def other_agents_intervals(other: dict) -> pd.DataFrame:
         pairs[f"{agent}_erank_std"] = (get("hadamard", "erank", late), get("standard", "erank", late))
         pairs[f"{agent}_erank_wide"] = (get("hadamard", "erank", late), get("wide", "erank", late))
     return dx.paired_table(pairs)
+
+
+# ---- a stream of tasks on one network: the diagnostics read per task ----
+
+def task_of(steps, task_steps: int) -> np.ndarray:
+    """The task (from 0) each checkpoint measures: the one after step ``s`` reads the rollout
+    whose last decision was at step ``s``, of task ``(s - 1) // task_steps`` (0 without a stream)."""
+    steps = np.asarray(steps)
+    return (steps - 1) // task_steps if task_steps else np.zeros(len(steps), int)
+
+
+def per_task(results: dict, steps, task_steps: int, kind: str, name: str) -> np.ndarray:
+    """(inner seeds x tasks) of one diagnostic, each run's mean over the checkpoints of the second
+    half of each task (after the network has had half the task to adapt)."""
+    steps = np.asarray(steps)
+    task = task_of(steps, task_steps)
+    span = task_steps or steps[-1]
+    late = steps - task * span > span / 2
+    values = series(results, kind, name)
+    return np.stack([values[:, late & (task == k)].mean(1) for k in range(task.max() + 1)], 1)
+
+
+def task_table(results: dict, steps, task_steps: int,
+               names=("inactive", "dormant", "saturated", "erank", "srank")) -> pd.DataFrame:
+    """A row per (torso kind, task from 1): each diagnostic's mean over inner seeds of
+    :func:`per_task`."""
+    rows = {}
+    for kind in hr.TORSOS:
+        means = {n: per_task(results, steps, task_steps, kind, n).mean(0) for n in names}
+        for k in range(len(means[names[0]])):
+            rows[(kind, k + 1)] = {n: float(means[n][k]) for n in names}
+    out = pd.DataFrame(rows).T
+    out.index.names = ["torso", "task"]
+    return out
+
+
+def stream_degradation(results: dict, steps, task_steps: int,
+                       kind: str = "standard") -> pd.DataFrame:
+    """Does ``kind`` lose capacity along the stream? Paired over its runs (95 % bootstrap
+    interval, runs resampled): ``inactive_rise`` the inactive fraction of the last task minus
+    the first's, ``erank_drop`` the erank of the first task minus the last's (:func:`per_task`).
+    Both intervals above zero: the standard torso degrades, the bed's precondition."""
+    inactive = per_task(results, steps, task_steps, kind, "inactive")
+    erank = per_task(results, steps, task_steps, kind, "erank")
+    return dx.paired_table({"inactive_rise": (inactive[:, -1], inactive[:, 0]),
+                            "erank_drop": (erank[:, 0], erank[:, -1])})

@@ -11,19 +11,26 @@ Three families behind one function, :func:`make_vec_env`:
   for learning while the recorded episode return stays the game score). ``ale_py`` is imported
   only when an ``ALE/...`` id is asked for, so nothing else needs it installed.
 
+A :class:`TaskStream` turns one environment into a non-stationary sequence of tasks on one
+network, as in the loss-of-plasticity benchmarks with permuted inputs (Dohare et al. 2024, Lyle
+et al. 2023): the first task is the environment itself, every later one shows its observation
+features under a signed permutation of their own (:class:`PermutedFeatures`).
+
 Every environment is wrapped in ``RecordEpisodeStatistics`` (per env) before reward clipping,
 and the vector env uses same-step autoreset (the terminal observation is in
 ``info["final_obs"]``), the convention CleanRL's scripts were written for.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import gymnasium as gym
 import numpy as np
 from minatar import Environment
 
-__all__ = ["check_env_id", "env_family", "MinAtarEnv", "make_env", "make_vec_env", "finished_episodes"]
+__all__ = ["check_env_id", "env_family", "MinAtarEnv", "TaskStream", "signed_permutation",
+           "PermutedFeatures", "make_env", "make_vec_env", "finished_episodes"]
 
 CLASSIC_IDS = ("CartPole-v1", "Acrobot-v1")
 MINATAR_GAMES = {"MinAtar/Asterix-v1": "asterix", "MinAtar/Breakout-v1": "breakout",
@@ -78,6 +85,61 @@ class MinAtarEnv(gym.Env):
         return self._obs(), float(reward), bool(done), False, {}
 
 
+@dataclass(frozen=True)
+class TaskStream:
+    """A sequence of tasks on one environment: task k (from 0) shows the observation's features
+    under :func:`signed_permutation` ``(n, seed, k)``; the task advances every ``task_steps``
+    steps of each environment copy (0: the task ``first_task`` throughout)."""
+    task_steps: int
+    seed: int
+    first_task: int = 0
+
+
+def signed_permutation(n: int, seed: int, task: int) -> tuple[np.ndarray, np.ndarray]:
+    """(order, signs) of task ``task``: the identity for task 0; otherwise a permutation of the
+    ``n`` features and a sign per feature drawn from (seed, task), drawn again while it is the
+    identity, so that every later task differs from the first."""
+    order, signs = np.arange(n), np.ones(n, np.float32)
+    rng = np.random.default_rng([seed, task])
+    while task > 0 and np.array_equal(order, np.arange(n)) and (signs > 0).all():
+        order, signs = rng.permutation(n), rng.choice(np.array([-1.0, 1.0], np.float32), n)
+    return order, signs
+
+
+class PermutedFeatures(gym.ObservationWrapper):
+    """The observation of a flat-vector environment with its features reordered and sign-flipped
+    per task of a :class:`TaskStream`: ``obs'[i] = sign[i] * obs[order[i]]``. The dynamics,
+    rewards and actions are the environment's, so every task is as hard as the first and the
+    best policy is the same up to the input map; what changes is what the network must read."""
+
+    def __init__(self, env: gym.Env, stream: TaskStream):
+        super().__init__(env)
+        space = env.observation_space
+        if len(space.shape) != 1:
+            raise ValueError(f"a task stream permutes flat observations; got shape {space.shape}")
+        self.stream, self.steps = stream, 0
+        bound = np.maximum(np.abs(space.low), np.abs(space.high)).astype(np.float32)
+        self._n, self._bound = space.shape[0], bound
+        self._set_task(stream.first_task)
+
+    def _set_task(self, task: int) -> None:
+        self.task = task
+        self.order, self.signs = signed_permutation(self._n, self.stream.seed, task)
+        b = self._bound[self.order]
+        self.observation_space = gym.spaces.Box(-b, b, dtype=np.float32)
+
+    def step(self, action):
+        self.steps += 1
+        if self.stream.task_steps:
+            task = self.stream.first_task + self.steps // self.stream.task_steps
+            if task != self.task:
+                self._set_task(task)
+        return super().step(action)
+
+    def observation(self, obs):
+        return (self.signs * np.asarray(obs, np.float32)[self.order]).astype(np.float32)
+
+
 def _make_ale(env_id: str) -> gym.Env:
     # imported here on purpose: the ROM package is optional, and its absence gets a clear message
     try:
@@ -94,8 +156,9 @@ def _make_ale(env_id: str) -> gym.Env:
     return gym.wrappers.FrameStackObservation(env, 4)
 
 
-def make_env(env_id: str) -> Callable[[], gym.Env]:
-    """A thunk that builds one environment of ``env_id`` (what ``SyncVectorEnv`` wants)."""
+def make_env(env_id: str, stream: TaskStream | None = None) -> Callable[[], gym.Env]:
+    """A thunk that builds one environment of ``env_id`` (what ``SyncVectorEnv`` wants), under
+    the task ``stream`` when one is given (flat observations only)."""
     family = env_family(env_id)
 
     def thunk() -> gym.Env:
@@ -105,20 +168,24 @@ def make_env(env_id: str) -> Callable[[], gym.Env]:
             env = gym.wrappers.TimeLimit(MinAtarEnv(MINATAR_GAMES[env_id]), MINATAR_MAX_STEPS)
         else:
             env = gym.make(env_id)
+        if stream is not None:
+            env = PermutedFeatures(env, stream)
         return gym.wrappers.RecordEpisodeStatistics(env)
     return thunk
 
 
-def make_vec_env(env_id: str, num_envs: int, seed: int) -> gym.vector.VectorEnv:
+def make_vec_env(env_id: str, num_envs: int, seed: int,
+                 stream: TaskStream | None = None) -> gym.vector.VectorEnv:
     """``num_envs`` copies of ``env_id`` in a ``SyncVectorEnv`` (same-step autoreset) with seeded
     action spaces (random exploration); the agent seeds the environments themselves with
-    ``envs.reset(seed=seed)`` (copy i gets seed + i).
+    ``envs.reset(seed=seed)`` (copy i gets seed + i). Under a task ``stream`` every copy shows
+    the same task and, stepping in lockstep, switches task at the same vector step.
 
     Only Gymnasium's public API: every copy is a registered or wrapped ``gym.Env``, and the
     vector env is Gymnasium's own. (Gymnasium's numpy ``CartPoleVectorEnv`` is faster per step
     but resets on the *next* step; the per-env overhead of ``SyncVectorEnv`` on CartPole is about
     0.1 ms per vector step of 16 copies, a second or so of a smoke run.)"""
-    envs = gym.vector.SyncVectorEnv([make_env(env_id) for _ in range(num_envs)],
+    envs = gym.vector.SyncVectorEnv([make_env(env_id, stream) for _ in range(num_envs)],
                                     autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
     envs.action_space.seed(seed)
     envs.single_action_space.seed(seed)

@@ -8,6 +8,10 @@ Actor and critic share one torso (as in ``ppo_atari.py``), so the representation
 diagnostics measure is read by both heads. The torso is passed in: ``torso_fn(obs_shape,
 head_dim) -> module with .out_dim``.
 
+``task_steps`` > 0 trains on a stream of tasks (:class:`workbench.rl.envs.TaskStream`, drawn
+from the seed): every ``task_steps`` environment steps the observation features are shown under a
+new signed permutation, on the same network and optimizer.
+
 ``on_update(update, step, agent, obs)`` is called after every ``diag_every`` updates (and the
 last) with the rollout's observations, so a notebook can measure the representation on the
 states the agent visits.
@@ -33,7 +37,7 @@ from torch.distributions import Categorical
 LOG_KEYS = ("learning_rate", "value_loss", "policy_loss", "entropy", "old_approx_kl", "approx_kl",
             "clipfrac", "explained_variance")
 
-from .envs import finished_episodes, make_vec_env
+from .envs import TaskStream, finished_episodes, make_vec_env
 
 __all__ = ["LOG_KEYS", "PPOSettings", "kl_estimates", "clip_fraction", "explained_variance",
            "ActorCritic", "train_ppo"]
@@ -77,6 +81,9 @@ class PPOSettings:
     """stop an update's epochs early beyond this approximate KL (None: never)"""
     diag_every: int = 10
     """call ``on_update`` every this many updates"""
+    task_steps: int = 0
+    """environment steps (summed over the envs) per task of a stream of permuted-input tasks
+    (0: one stationary task); a multiple of ``num_envs``"""
 
     @property
     def batch_size(self) -> int:
@@ -89,6 +96,15 @@ class PPOSettings:
     @property
     def num_updates(self) -> int:
         return max(1, self.total_timesteps // self.batch_size)
+
+    def stream(self, seed: int) -> TaskStream | None:
+        """The task stream of a run with this seed (None for one stationary task)."""
+        if not self.task_steps:
+            return None
+        if self.task_steps % self.num_envs:
+            raise ValueError(f"task_steps {self.task_steps} is not a multiple of "
+                             f"num_envs {self.num_envs}")
+        return TaskStream(self.task_steps // self.num_envs, seed)
 
 
 def kl_estimates(logratio: torch.Tensor) -> tuple[float, float]:
@@ -139,12 +155,14 @@ class ActorCritic(nn.Module):
 
 def train_ppo(s: PPOSettings, torso_fn: Callable, seed: int = 0, device="cpu",
               on_update: Callable | None = None, progress: Callable | None = None) -> dict:
-    """Train PPO; returns ``episodes`` ((step, return) pairs), the ``agent``, ``sps`` and
-    ``logs`` (one dict per update: ``update``, ``step`` and :data:`LOG_KEYS`)."""
+    """Train PPO; returns ``episodes`` ((step, return) pairs), the ``agent``, ``sps``, ``logs``
+    (one dict per update: ``update``, ``step`` and :data:`LOG_KEYS`) and ``task``: the task in
+    force at the end (0 without a stream)."""
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)        # minibatch shuffling
     device = torch.device(device)
-    envs = make_vec_env(s.env_id, s.num_envs, seed)
+    stream = s.stream(seed)
+    envs = make_vec_env(s.env_id, s.num_envs, seed, stream)
     obs_shape = envs.single_observation_space.shape
     agent = ActorCritic(torso_fn, obs_shape, envs.single_action_space.n).to(device)
     optimizer = torch.optim.Adam(agent.parameters(), lr=s.learning_rate, eps=1e-5)
@@ -236,5 +254,7 @@ def train_ppo(s: PPOSettings, torso_fn: Callable, seed: int = 0, device="cpu",
                                       or update == s.num_updates):
             on_update(update, global_step, agent, b_obs)
     envs.close()
+    # the task of the last decision (the final step may already show the next task's observation)
+    task = stream.first_task + (global_step // s.num_envs - 1) // stream.task_steps if stream else 0
     return {"episodes": episodes, "agent": agent, "sps": global_step / (time.time() - t0),
-            "logs": logs}
+            "logs": logs, "task": task}
