@@ -116,3 +116,46 @@ def test_student_accuracy_per_item_is_the_item_scores(monkeypatch):
     assert set(items) == {"a", "b"} and list(items["a"]) == [1.0, 0, 1, 1]
     acc = ex.subset_students("lm", "smoke", traces, {"a": [0]}, None, [], **kw)
     assert acc == {"a": 0.75}
+
+
+def test_room_is_the_longest_reference_completion_plus_two():
+    _, tok = zoo.load("lm-micro")
+    exs = tasks.generate("longadd", 3, seed=0, difficulty=6) + tasks.generate("longadd", 3, seed=0,
+                                                                              difficulty=14)
+    longest = max(len(tok(e.completion(True), add_special_tokens=False)["input_ids"]) for e in exs)
+    assert ex.room(tok, exs) == longest + 2 and longest > 150
+
+
+def test_position_losses_split_the_labelled_tokens_at_the_edge():
+    model, tok = zoo.load("lm-micro")
+    traces = ex.solver_traces(tasks.generate("longadd", 3, seed=0, difficulty=8), 0.0, 0, "solver")
+    b = packing.pad(packing.encode(tok, [t.prompt for t in traces], [t.completion for t in traces]),
+                    tok.pad_token_id)
+    nll, lab = ls.token_losses(model, b), b["labels"] != -100
+    out = ex.position_losses(model, tok, traces, edge=40, batch=2)
+    assert out["tokens_before"] + out["tokens_past"] == int(lab.sum())
+    assert out["tokens_before"] == int(lab[:, :40].sum()) > 0
+    assert out["past"] == pytest.approx(float(nll[:, 40:][lab[:, 40:]].mean()), rel=1e-5)
+    assert out["before"] == pytest.approx(float(nll[:, :40][lab[:, :40]].mean()), rel=1e-5)
+    whole = ex.position_losses(model, tok, traces, edge=10_000)
+    assert whole["past"] is None and whole["tokens_past"] == 0
+
+
+def test_long_bed_is_one_teacher_at_every_level_and_keeps_its_own_draws():
+    model, tok = zoo.load("lm-micro")
+    S = {"n_test": 1, "lora_rank": 2, "adapt_steps": 1, "n_dirs": 1, "dir_rank": 1,
+         "scales": [0.0, 0.1, 0.3], "token_fraction": 0.1}
+    bed = ex.long_bed({"family": "longadd", "n_per_level": 2}, S, model, tok, "t", "lm-micro", "smoke",
+                      [0.1, 0.01], seed=3, device="cpu")
+    assert len(bed.pool) == 10 and len(bed.test) == 5 and set(bed.pool.teacher) == {"t"}
+    assert sorted(bed.pool.level.unique()) == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert bed.pool.cluster.nunique() <= 5 and bed.pool.pred.notna().all()
+    assert bed.max_new_tokens == ex.room(tok, bed.problems + bed.test)
+    assert not {e.prompt for e in bed.problems} & {e.prompt for e in bed.test}
+    assert bed.info["tokens_read_per_trace"][0.1] > bed.info["tokens_read_per_trace"][0.01] >= 1
+    assert bed.sft_steps is None
+    spec = {"family": "longadd", "n_per_level": 2, "levels": [6, 8], "sft_steps": 7}
+    cut = ex.long_bed(spec, S, model, tok, "t", "lm-micro", "smoke", [0.1], seed=3, device="cpu")
+    assert sorted(cut.pool.level.unique()) == [0.0, 1.0] and set(cut.pool.difficulty) == {6, 8}
+    assert cut.sft_steps == 7
+    assert [e.prompt for e in cut.problems] == [e.prompt for e in bed.problems if e.difficulty in (6, 8)]

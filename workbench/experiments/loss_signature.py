@@ -13,6 +13,9 @@ What the notebook drives around the method (:mod:`workbench.methods.loss_signatu
 - the difficulty correlations of C1 (:func:`difficulty_correlations`), and for C2 the NMI's
   bootstrap interval over problems (:func:`nmi_interval`) and the 2-d view of the clustered
   signatures (:func:`signature_embedding`);
+- the long bed of C1 and C3 at mid (:func:`long_bed`, a :class:`Bed`): long traces of one
+  family from one teacher, difficulty by the family's levels, with the student's loss before and
+  past its pretraining context (:func:`position_losses`);
 - the generate-then-filter baseline of curation cost (:func:`generate_then_filter`, judged by
   :func:`sequence_scores`);
 - the downstream students: cached ``peft`` LoRA SFT on a subset of the pool, scored by exact
@@ -24,13 +27,15 @@ What the notebook drives around the method (:mod:`workbench.methods.loss_signatu
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
 import pandas as pd
 import torch
 from scipy.stats import spearmanr
+from sklearn.cluster import KMeans
 from sklearn.decomposition import PCA
 from sklearn.metrics import normalized_mutual_info_score as nmi
 
@@ -39,11 +44,11 @@ from ..data import packing, tasks
 from ..data.tasks import STEP_SEP
 from ..diagnostics import spearman_ci
 from ..methods import loss_signature as ls
-from ..models import finetune
+from ..models import finetune, zoo
 
 __all__ = ["Trace", "draw_problems", "solver_traces", "model_traces", "teacher_pool",
            "pool_frame", "adapt", "pool_signatures", "difficulty_correlations", "nmi_interval",
-           "signature_embedding",
+           "signature_embedding", "Bed", "room", "position_losses", "long_bed",
            "sequence_scores", "generate_then_filter", "student_accuracy", "subset_students",
            "sigma_correlations", "sigma_figure"]
 
@@ -193,6 +198,93 @@ def signature_embedding(features, seed: int) -> np.ndarray:
     """The clustered signature features projected on their first two principal components
     (``sklearn`` PCA), for the C2 scatter plots."""
     return PCA(2, random_state=seed).fit_transform(features)
+
+
+# -- the long bed of C1 and C3 -------------------------------------------------------------------
+
+@dataclass
+class Bed:
+    """What C1 and C3 read: a trace pool (with ``pred`` and ``cluster``), its problems and
+    held-out problems, the adapted student (also the judge of generate-then-filter) and its
+    signatures ``{fraction: array}`` with the token counts, the curation wall-clock (adaptation
+    and signatures), the room for new tokens of any generation on these problems, the SFT steps
+    of C3's students where the bed sets them (else the scale's), and facts for the record."""
+    problems: list
+    test: list
+    traces: list
+    pool: pd.DataFrame
+    student: object
+    sigs: dict
+    tokens: dict
+    seconds: float
+    max_new_tokens: int = 48
+    sft_steps: int | None = None
+    info: dict = field(default_factory=dict)
+
+
+def room(tok, examples) -> int:
+    """New tokens a generation on ``examples`` needs: the longest reference completion (with
+    steps) plus 2, the rule of the zoo cards' evaluation."""
+    return max(len(tok(e.completion(True), add_special_tokens=False)["input_ids"])
+               for e in examples) + 2
+
+
+def position_losses(model, tok, traces: list[Trace], edge: int, batch: int = 64) -> dict:
+    """The mean next-token loss of the traces' labelled tokens at positions before ``edge`` and
+    from ``edge`` on (a student's pretraining context: are the positions past it read as well?),
+    with the token counts; ``None`` where a side has no token."""
+    pairs = packing.encode(tok, [t.prompt for t in traces], [t.completion for t in traces])
+    device = next(model.parameters()).device
+    tot = np.zeros((2, 2))
+    for b in ls.length_batches(pairs, batch, tok.pad_token_id, device)[0]:
+        nll, lab = ls.token_losses(model, b), b["labels"] != -100
+        past = torch.arange(nll.shape[1], device=nll.device)[None] >= edge
+        for k, side in enumerate((lab & ~past, lab & past)):
+            tot[k] += [float(nll[side].sum()), int(side.sum())]
+    mean = [s / n if n else None for s, n in tot]
+    return {"edge": edge, "before": mean[0], "past": mean[1],
+            "tokens_before": int(tot[0, 1]), "tokens_past": int(tot[1, 1])}
+
+
+def long_bed(spec: dict, S: dict, teacher_lm, tok, teacher: str, student: str, scale: str,
+             fractions, seed: int, device) -> Bed:
+    """C1's and C3's bed at mid: ``spec["n_per_level"]`` train problems at each of
+    ``spec["family"]``'s levels (``spec["levels"]`` where given) and ``S["n_test"]`` held-out
+    ones, one greedy trace each from ``teacher_lm`` with :func:`room`; a fresh ``student``
+    adapted (:func:`adapt`) and probed (:func:`pool_signatures`) at ``S``'s sizes, ``pred`` its
+    inflection losses on ``S["token_fraction"]``; ``cluster`` k-means on the signature features
+    with k = the number of levels; ``spec["sft_steps"]``, where given, C3's SFT steps. Draws
+    come from a generator of their own (seeded by ``seed`` and 18), so the main pool draws as it
+    does without this bed."""
+    rng = np.random.default_rng([seed, 18])
+    fam = tasks.get(spec["family"])
+    levels = spec.get("levels") or fam.difficulties
+    problems, test = ([e for e in draw_problems([fam.name], n, side, rng) if e.difficulty in levels]
+                      for n, side in ((spec["n_per_level"], "train"), (S["n_test"], "test")))
+    new = room(tok, problems + test)
+    traces = model_traces(teacher_lm, tok, problems, teacher, max_new_tokens=new)
+    pool = pool_frame(traces)
+    if spec.get("levels"):                      # the level spans the levels of this bed
+        pool["level"] = [sorted(levels).index(d) / (len(levels) - 1) for d in pool.difficulty]
+    t0 = time.time()
+    lm, _ = zoo.load(student, scale, device=device)
+    adapted = adapt(lm, tok, traces, rng, rank=S["lora_rank"], steps=S["adapt_steps"], seed=seed)
+    sigs, tokens = pool_signatures(adapted, tok, traces, fractions, n_dirs=S["n_dirs"],
+                                   dir_rank=S["dir_rank"], scales=S["scales"], seed=seed,
+                                   device=device)
+    pool["pred"] = ls.inflection_losses(sigs[S["token_fraction"]], S["scales"])
+    seconds = time.time() - t0
+    feats = ls.signature_features(sigs[S["token_fraction"]])
+    pool["cluster"] = KMeans(len(levels), n_init=10, random_state=seed).fit_predict(feats)
+    edge = adapted.config.max_position_embeddings
+    info = {"family": fam.name, "levels": list(levels), "teacher": teacher, "student": student,
+            "traces": len(traces), "test_problems": len(test), "max_new_tokens": new,
+            "correct_by_level": {int(d): float(v) for d, v
+                                 in pool.groupby("difficulty").correct.mean().items()},
+            "tokens_read_per_trace": {f: n / len(traces) for f, (n, _) in tokens.items()},
+            "student_loss_by_position": position_losses(adapted, tok, traces, edge)}
+    return Bed(problems, test, traces, pool, adapted, sigs, tokens, seconds, new,
+               spec.get("sft_steps"), info)
 
 
 # -- the generate-then-filter baseline ----------------------------------------------------------
