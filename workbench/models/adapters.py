@@ -298,8 +298,8 @@ SHIPPED_POOLS = {POOL_NAME: {"families": None, "init": "shared"},
 CLIP_NAME = clip.NAME
 # the builds by their measured seconds at smoke (data/zoo.md), longest first; the pool after the
 # backbones it waits for (its base comes first)
-BUILD_ORDER = ["lm-base", "lm-gpt2", "lm-qwen2", "lm-reasoning", "lm-instruct", POOL_NAME,
-               INIT_POOL_NAME, "lm-qbed", CLIP_NAME, "lm-tiny", "lm-micro"]
+BUILD_ORDER = ["lm-base", "lm-hybrid", "lm-gpt2", "lm-qwen2", "lm-reasoning", "lm-instruct",
+               POOL_NAME, INIT_POOL_NAME, "lm-qbed", CLIP_NAME, "lm-tiny", "lm-micro"]
 
 
 def build_all(scale: str = "smoke", force: bool = False, jobs: int = 1,

@@ -154,6 +154,11 @@ SMOKE_V4_FT = replace(SMOKE_V3, steps=600, lr=1e-3, warmup=30)
 SMOKE_V4_LONG = replace(SMOKE_V3, ctx=256, steps=800, lr=1e-3, warmup=30)
 FULL_V4_FT = replace(FULL_V2, steps=2000, lr=3e-4, warmup=100)
 FULL_V4_LONG = replace(FULL_V4_FT, ctx=512)
+# lm-hybrid: lm-reasoning's mix trained twice as long, so that its no-think mode (' =>' right
+# after the prompt, 40% of the examples: thinking stays the first move) sees twice the examples;
+# its card checks that mode against lm-instruct's direct answers (docs/zoo.md)
+SMOKE_V4_HYBRID = replace(SMOKE_V4_LONG, steps=1600)
+FULL_V4_HYBRID = replace(FULL_V4_LONG, steps=4000)
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in [
     # Most task text goes to add and pattern (easiest difficulty): spread evenly over six
@@ -188,6 +193,14 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
            init_from="lm-base", direct_levels=(0, 0, 1, 1, 1, 0), forced_direct_share=0.4,
            extra_eval=("longadd",), compare_direct="lm-instruct",
            **{**_V3, "smoke": SMOKE_V4_LONG, "full": FULL_V4_LONG}),
+    Recipe("lm-hybrid", "Llama fine-tuned from lm-base on lm-reasoning's mix, twice as long: a "
+           "hybrid-thinking model whose no-think mode (' =>' at once) answers what lm-instruct "
+           "answers directly (paper 06's mid bed)",
+           train_tasks=("reverse", "pattern", "count", "add", "chain", "longadd"),
+           task_weights=(1, 1, 1.5, 1.5, 1.5, 2), task_fraction=0.85, with_steps=True,
+           init_from="lm-base", direct_levels=(0, 0, 1, 1, 1, 0), forced_direct_share=0.4,
+           extra_eval=("longadd",), compare_direct="lm-instruct",
+           **{**_V3, "smoke": SMOKE_V4_HYBRID, "full": FULL_V4_HYBRID}),
     Recipe("lm-gpt2", "GPT-2 architecture, string and recall skills: reverse, pattern, kv, "
            "direct answers (paper 11 routes between it and lm-qwen2)", arch="gpt2",
            train_tasks=("reverse", "pattern", "kv"), task_weights=(1, 1, 1.5),
