@@ -139,3 +139,33 @@ def test_distillation_set_keeps_the_shortest_correct_sample_and_grpo_rewards_it_
     assert r[0] == 0.0 and r[2] > r[1] >= 0.8
     outs = X.sample(model, tok, [e.prompt, e.prompt + " "], k=3, max_new_tokens=4, seed=1)
     assert [len(o) for o in outs] == [3, 3] and all(isinstance(c, str) for o in outs for c in o)
+
+
+def test_validation_problems_leave_the_training_draw_as_it_was():
+    rng_a, rng_b = np.random.default_rng(3), np.random.default_rng(3)
+    plain = X.draw_problems(["add", "count"], "train", 4, rng_a)
+    train, val = X.split_validation(X.draw_problems(["add", "count"], "train", 6, rng_b), 4)
+    assert [e.prompt for e in train] == [e.prompt for e in plain]
+    assert len(val) == 2 * (len(tasks.get("add").difficulties) + len(tasks.get("count").difficulties))
+    assert not {e.prompt for e in val} & {e.prompt for e in train}
+    # the generator moved as a draw of 4 moves it: the held-out draw after it is the same
+    assert [e.prompt for e in X.draw_problems(["add"], "test", 3, rng_a)] == \
+        [e.prompt for e in X.draw_problems(["add"], "test", 3, rng_b)]
+
+
+def test_hint_rate_is_the_largest_cut_within_five_points_else_the_smallest_drop():
+    t = pd.DataFrame({"drop": [0.02, 0.04, 0.10, 0.30], "reduction": [0.10, 0.25, 0.40, 0.60]},
+                     index=[1e-3, 2e-3, 5e-3, 1e-2])
+    assert X.pick_hint_rate(t) == 2e-3
+    worse = t.assign(drop=[0.2, 0.08, 0.3, 0.4])
+    assert X.pick_hint_rate(worse) == 2e-3
+    assert X.pick_hint_rate(worse.assign(drop=[0.08, 0.08, 0.3, 0.4])) == 1e-3
+
+
+def test_one_rate_or_no_validation_is_used_as_given():
+    called = []
+    picks, table = X.choose_rates(None, None, [], [1e-3, 2e-3], lambda m, lr: called.append(m),
+                                    8)
+    assert picks == {"hint": 1e-3, "direct": 1e-3, "distill": 1e-3} and table.empty
+    picks, _ = X.choose_rates(None, None, ["x"], [5e-3], None, 8, methods=("hint",))
+    assert picks == {"hint": 5e-3} and not called

@@ -13,6 +13,8 @@ What the notebook drives, in its order:
   :func:`c1_stats`);
 - C2: R fine-tuned on its self-annotated targets and on direct answers, each a cached ``peft``
   LoRA (:func:`hint_tune`), scored on held-out problems (:func:`measure`, :func:`summarize`);
+  at mid each LoRA's learning rate is chosen on validation problems (:func:`split_validation`,
+  :func:`choose_rates`, :func:`pick_hint_rate`);
 - C3: the baselines' accuracy-tokens frontier: budget forcing (:func:`truncated_generate`), the
   two published baselines (:mod:`workbench.methods.hint_tuning_baselines`): GRPO through TRL on a
   length-penalized correctness reward (:class:`GRPOSettings`, :func:`grpo_baseline`) and a LoRA
@@ -49,11 +51,13 @@ from ..methods import hint_tuning_baselines as hb
 from ..models import zoo
 from ..models.finetune import TARGETS, LoraSettings, cached_lora
 
-__all__ = ["GROUP", "GRPO", "DISTILL", "draw_problems", "relative_level", "reader_data",
-           "hint_reader", "annotate",
+__all__ = ["GROUP", "GRPO", "DISTILL", "draw_problems", "split_validation", "relative_level",
+           "reader_data", "hint_reader", "annotate",
            "state_table", "c1_stats", "hint_tune", "evaluate", "measure", "accuracy_tokens",
            "summarize",
-           "passes_c2", "truncated_generate", "GRPOSettings", "length_reward", "grpo_baseline",
+           "passes_c2", "pick_hint_rate", "choose_rates",
+           "rate_fit", "truncated_generate", "GRPOSettings",
+           "length_reward", "grpo_baseline",
            "sample", "shortest_traces", "distill_baseline", "frontier_at", "small_reasoning_recipe",
            "small_reasoning", "model_row", "prose_metrics", "hint_ladder", "ladder_figure"]
 
@@ -68,6 +72,19 @@ def draw_problems(families, side: str, n: int, rng: np.random.Generator) -> list
     """``n`` problems of every (family, difficulty) from the train or the held-out side of
     :func:`workbench.data.tasks.problem_split` (:func:`workbench.data.tasks.draw_problems`)."""
     return tasks.draw_problems(families, n, side, rng)
+
+
+def split_validation(problems, n_train: int) -> tuple[list, list]:
+    """``(train, validation)``: the first ``n_train`` problems of every (family, difficulty) of
+    ``problems`` (drawn by :func:`draw_problems`, which keeps a level's problems together) and
+    the rest of that level. Drawing ``n_train + n_val`` and splitting leaves the training problems
+    (and every later draw of the generator) what a draw of ``n_train`` gives."""
+    seen: dict = {}
+    train, val = [], []
+    for e in problems:
+        i = seen[(e.family, e.difficulty)] = seen.get((e.family, e.difficulty), -1) + 1
+        (train if i < n_train else val).append(e)
+    return train, val
 
 
 def relative_level(e) -> float:
@@ -145,17 +162,18 @@ def c1_stats(states: pd.DataFrame, n_resamples: int, seed: int):
 # -- C2: hint tuning and its evaluation -------------------------------------------------------
 
 def hint_tune(name: str, scale: str, tok, problems, probes, settings: LoraSettings,
-              recipe=None, device: str = "cpu"):
+              recipe=None, device: str = "cpu", direct_settings: LoraSettings | None = None):
     """Two cached LoRA fine-tunes of the reasoning model ``name``: on the state targets
     (:func:`workbench.methods.hint_tuning.training_target`) and, the C3 baseline, on R's bare
-    answers. Returns ``(tuned, direct, info)``, info with the mean target length in tokens."""
+    answers (with ``direct_settings``, by default the same). Returns ``(tuned, direct, info)``,
+    info with the mean target length in tokens."""
     prompts = [e.prompt for e in problems]
     hint_t = [ht.training_target(p.state, p.steps, p.k, p.r_answer) for p in probes]
     direct_t = [ht.render([], p.r_answer) for p in probes]
     tuned, _, info = cached_lora(name, scale, prompts, hint_t, settings, tag="hint",
                                  group=GROUP, recipe=recipe, device=device)
-    direct, _, dinfo = cached_lora(name, scale, prompts, direct_t, settings, tag="direct",
-                                   group=GROUP, recipe=recipe, device=device)
+    direct, _, dinfo = cached_lora(name, scale, prompts, direct_t, direct_settings or settings,
+                                   tag="direct", group=GROUP, recipe=recipe, device=device)
     return tuned, direct, {"hint": info, "direct": dinfo,
                            "target_tokens": float(np.mean(ht.count_tokens(tok, hint_t)))}
 
@@ -202,6 +220,60 @@ def summarize(ev: dict):
 def passes_c2(reduction: float, acc_drop: float) -> bool:
     """C2's test: at least 20% fewer tokens for at most 5 points of accuracy."""
     return bool(reduction >= 0.2 and acc_drop <= 0.05)
+
+
+def pick_hint_rate(table: pd.DataFrame) -> float:
+    """Hint Tuning's rate from a validation table (rows: rates; columns ``drop``, ``reduction``):
+    the largest token reduction among the rates whose accuracy drop is within C2's 5 points,
+    else the smallest drop (ties: the lower rate)."""
+    ok = table[table["drop"] <= 0.05 + 1e-9]
+    if len(ok):
+        return float(ok.sort_index()["reduction"].idxmax())
+    return float(table.sort_index()["drop"].idxmin())
+
+
+def choose_rates(tok, R, val, rates, fit, max_new_tokens: int,
+                 methods=("hint", "direct", "distill")) -> tuple[dict, pd.DataFrame]:
+    """The learning rate of each LoRA fine-tune, chosen on validation problems ``val`` (drawn
+    from the training side, none trained on; labels score them). ``fit(method, lr)`` returns
+    that method's (cached) model at ``lr``. Hint Tuning's rate by :func:`pick_hint_rate` (C2's
+    objective on validation); each baseline's the rate of its highest validation accuracy
+    (ties: the lower rate). One rate, or no validation problems: that rate for every method.
+    Returns ``({method: rate}, table)``, the table one row per (method, rate)."""
+    if len(rates) == 1 or not val:
+        return {m: float(rates[0]) for m in methods}, pd.DataFrame()
+    base = measure(R, tok, val, max_new_tokens)
+    rows = []
+    for m in methods:
+        for lr in rates:
+            v = measure(fit(m, lr), tok, val, max_new_tokens)
+            rows.append({"method": m, "lr": float(lr), "accuracy": v.acc.mean(),
+                         "tokens": v.tokens.mean(), "drop": base.acc.mean() - v.acc.mean(),
+                         "reduction": 1 - v.tokens.mean() / base.tokens.mean()})
+    table = pd.DataFrame(rows)
+    picks = {}
+    for m, g in table.groupby("method", sort=False):
+        g = g.set_index("lr")
+        picks[m] = pick_hint_rate(g) if m == "hint" else float(
+            g.sort_index()["accuracy"].idxmax())
+    return picks, table.set_index(["method", "lr"])
+
+
+def rate_fit(name: str, scale: str, tok, R, problems, probes, settings: LoraSettings, *,
+             distill_k: int, max_new_tokens: int, recipe=None, device: str = "cpu"):
+    """``fit(method, lr)`` for :func:`choose_rates`: the cached LoRA of ``"hint"``,
+    ``"direct"`` (:func:`hint_tune`) or ``"distill"`` (:func:`distill_baseline`) at rate ``lr``,
+    every other setting from ``settings``."""
+    def fit(method: str, lr: float):
+        s = replace(settings, lr=lr)
+        if method == "distill":
+            return distill_baseline(name, scale, R, tok, problems, k=distill_k, settings=s,
+                                    max_new_tokens=max_new_tokens, recipe=recipe,
+                                    device=device)[0]
+        tuned, direct, _ = hint_tune(name, scale, tok, problems, probes, s, recipe=recipe,
+                                     device=device)
+        return tuned if method == "hint" else direct
+    return fit
 
 
 # -- C3: the baselines ----------------------------------------------------------------------------
