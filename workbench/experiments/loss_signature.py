@@ -114,10 +114,12 @@ def model_traces(model, tok, examples, name: str, max_new_tokens: int = 48) -> l
 def teacher_pool(problems, teacher_lm, tok, noise: float, seed: int, teacher_name: str) -> list[Trace]:
     """One trace per problem from each of the three teachers, in this order: the clean solver
     (``solver``), the solver with a share ``noise`` corrupted (``solver-noisy``) and the model
-    ``teacher_lm`` (named ``teacher_name``)."""
+    ``teacher_lm`` (named ``teacher_name``), greedy with :func:`room` for the longest reference
+    completion (a trace cut before its answer would count against the teacher)."""
     return (solver_traces(problems, 0.0, seed, "solver")
             + solver_traces(problems, noise, seed + 1, "solver-noisy")
-            + model_traces(teacher_lm, tok, problems, teacher_name))
+            + model_traces(teacher_lm, tok, problems, teacher_name,
+                           max_new_tokens=room(tok, problems)))
 
 
 def pool_frame(traces: list[Trace]) -> pd.DataFrame:
