@@ -160,6 +160,17 @@ FULL_V4_LONG = replace(FULL_V4_FT, ctx=512)
 SMOKE_V4_HYBRID = replace(SMOKE_V4_LONG, steps=1600)
 FULL_V4_HYBRID = replace(FULL_V4_LONG, steps=4000)
 
+# lm-reasoning, named here because lm-hybrid is the same recipe at other sizes
+_REASONING = Recipe(
+    "lm-reasoning", "Llama fine-tuned from lm-base like lm-instruct, but writes the steps of add, "
+    "count and chain where they are hard (bare answers at their easiest level, a share answered "
+    "' => a' directly) and the long column sums of longadd (paper 06; long traces for 18 and 04)",
+    train_tasks=("reverse", "pattern", "count", "add", "chain", "longadd"),
+    task_weights=(1, 1, 1.5, 1.5, 1.5, 2), task_fraction=0.85, with_steps=True,
+    init_from="lm-base", direct_levels=(0, 0, 1, 1, 1, 0), forced_direct_share=0.4,
+    extra_eval=("longadd",), compare_direct="lm-instruct",
+    **{**_V3, "smoke": SMOKE_V4_LONG, "full": FULL_V4_LONG})
+
 RECIPES: dict[str, Recipe] = {r.name: r for r in [
     # Most task text goes to add and pattern (easiest difficulty): spread evenly over six
     # families, 400 smoke steps solved none of them; weighted, add and pattern are solved.
@@ -184,23 +195,12 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
            train_tasks=("reverse", "pattern", "count", "add", "chain"),
            task_weights=(1, 1, 1.5, 1.5, 1.5), task_fraction=0.85, init_from="lm-base",
            **{**_V3, "smoke": SMOKE_V4_FT, "full": FULL_V4_FT}),
-    Recipe("lm-reasoning", "Llama fine-tuned from lm-base like lm-instruct, but writes the steps "
-           "of add, count and chain where they are hard (bare answers at their easiest level, "
-           "a share answered ' => a' directly) and the long column sums of longadd (paper 06; "
-           "long traces for 18 and 04)",
-           train_tasks=("reverse", "pattern", "count", "add", "chain", "longadd"),
-           task_weights=(1, 1, 1.5, 1.5, 1.5, 2), task_fraction=0.85, with_steps=True,
-           init_from="lm-base", direct_levels=(0, 0, 1, 1, 1, 0), forced_direct_share=0.4,
-           extra_eval=("longadd",), compare_direct="lm-instruct",
-           **{**_V3, "smoke": SMOKE_V4_LONG, "full": FULL_V4_LONG}),
-    Recipe("lm-hybrid", "Llama fine-tuned from lm-base on lm-reasoning's mix, twice as long: a "
-           "hybrid-thinking model whose no-think mode (' =>' at once) answers what lm-instruct "
-           "answers directly (paper 06's mid bed)",
-           train_tasks=("reverse", "pattern", "count", "add", "chain", "longadd"),
-           task_weights=(1, 1, 1.5, 1.5, 1.5, 2), task_fraction=0.85, with_steps=True,
-           init_from="lm-base", direct_levels=(0, 0, 1, 1, 1, 0), forced_direct_share=0.4,
-           extra_eval=("longadd",), compare_direct="lm-instruct",
-           **{**_V3, "smoke": SMOKE_V4_HYBRID, "full": FULL_V4_HYBRID}),
+    _REASONING,
+    # lm-hybrid: the same mix, twice the steps (SMOKE_V4_HYBRID says why)
+    replace(_REASONING, name="lm-hybrid", description="Llama fine-tuned from lm-base on "
+            "lm-reasoning's mix, twice as long: a hybrid-thinking model whose no-think mode "
+            "(' =>' at once) answers what lm-instruct answers directly (paper 06's mid bed)",
+            smoke=SMOKE_V4_HYBRID, full=FULL_V4_HYBRID),
     Recipe("lm-gpt2", "GPT-2 architecture, string and recall skills: reverse, pattern, kv, "
            "direct answers (paper 11 routes between it and lm-qwen2)", arch="gpt2",
            train_tasks=("reverse", "pattern", "kv"), task_weights=(1, 1, 1.5),
