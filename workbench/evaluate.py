@@ -20,7 +20,7 @@ from .data.tasks import ALL_FAMILIES, difficulties
 __all__ = ["MIDDLE", "LONG_LEVEL", "heldout_examples", "evaluate_tasks", "in_context_examples",
            "in_context_accuracy", "evaluate_in_context", "forced_direct", "direct_section",
            "long_trace_section", "quant_sensitivity", "perplexity", "unigram_perplexity",
-           "generate", "chat_prompt", "task_accuracy", "item_scores", "exact_match"]
+           "generate", "chat_prompt", "task_accuracy", "item_scores", "exact_match", "room"]
 
 
 # the "middle" difficulty of each family: 3-digit add/sub, strings of 5, kv with 4
@@ -211,11 +211,17 @@ def task_accuracy(model, tok, family: str, n: int = 50, seed: int = 0,
     return exact_match(model, tok, exs, with_steps)
 
 
+def room(tok, examples, with_steps: bool = False) -> int:
+    """New tokens a greedy completion of ``examples`` gets: the longest reference completion
+    (with its steps, if asked) and two more, the cards' rule."""
+    return max(len(tok(e.completion(with_steps), add_special_tokens=False)["input_ids"])
+               for e in examples) + 2
+
+
 def _greedy_completions(model, tok, examples, with_steps: bool) -> list[str]:
-    """Greedy completions with room for the longest reference completion and two tokens."""
-    longest = max(len(tok(e.completion(with_steps), add_special_tokens=False)["input_ids"])
-                  for e in examples)
-    return generate(model, tok, [e.prompt for e in examples], max_new_tokens=longest + 2)
+    """Greedy completions with :func:`room` for the longest reference completion."""
+    return generate(model, tok, [e.prompt for e in examples],
+                    max_new_tokens=room(tok, examples, with_steps))
 
 
 def item_scores(model, tok, examples, with_steps: bool = False) -> np.ndarray:
@@ -275,9 +281,7 @@ def long_trace_section(model, tok, family: str, n: int, exclude: set[str] = froz
     exs, _ = heldout_examples(family, d, n, exclude)
     ref = [len(tok(" " + tasks.STEP_SEP.join(e.steps), add_special_tokens=False)["input_ids"])
            for e in exs]
-    longest = max(len(tok(e.completion(True), add_special_tokens=False)["input_ids"])
-                  for e in exs)
-    comps = generate(model, tok, [e.prompt for e in exs], max_new_tokens=longest + 2)
+    comps = generate(model, tok, [e.prompt for e in exs], max_new_tokens=room(tok, exs, True))
     written = [len(tok(c, add_special_tokens=False)["input_ids"]) for c in comps]
     return {"family": family, "difficulty": d,
             "median_tokens_written": statistics.median(written),

@@ -35,7 +35,6 @@ import numpy as np
 import pandas as pd
 import torch
 from scipy.stats import spearmanr
-from sklearn.cluster import KMeans
 from sklearn.decomposition import PCA
 from sklearn.metrics import normalized_mutual_info_score as nmi
 
@@ -225,10 +224,9 @@ class Bed:
 
 
 def room(tok, examples) -> int:
-    """New tokens a generation on ``examples`` needs: the longest reference completion (with
-    steps) plus 2, the rule of the zoo cards' evaluation."""
-    return max(len(tok(e.completion(True), add_special_tokens=False)["input_ids"])
-               for e in examples) + 2
+    """New tokens a generation on ``examples`` needs: :func:`workbench.evaluate.room` with the
+    steps (the longest reference trace plus 2, the cards' rule)."""
+    return evaluate.room(tok, examples, with_steps=True)
 
 
 def position_losses(model, tok, traces: list[Trace], edge: int, batch: int = 64) -> dict:
@@ -277,7 +275,7 @@ def long_bed(spec: dict, S: dict, teacher_lm, tok, teacher: str, student: str, s
     pool["pred"] = ls.inflection_losses(sigs[S["token_fraction"]], S["scales"])
     seconds = time.time() - t0
     feats = ls.signature_features(sigs[S["token_fraction"]])
-    pool["cluster"] = KMeans(len(levels), n_init=10, random_state=seed).fit_predict(feats)
+    pool["cluster"] = ls.kmeans_clusters(feats, len(levels), seed)
     edge = adapted.config.max_position_embeddings
     info = {"family": fam.name, "levels": list(levels), "teacher": teacher, "student": student,
             "traces": len(traces), "test_problems": len(test), "max_new_tokens": new,

@@ -34,7 +34,8 @@ from ..models.finetune import TARGETS
 
 __all__ = ["subsample_mask", "perturbed_layers", "low_rank_directions", "token_losses",
            "masked_losses", "length_batches", "signatures", "inflection", "inflection_losses",
-           "signature_features", "cluster_nmi", "select_subset", "teacher_scores"]
+           "signature_features", "kmeans_clusters", "cluster_nmi", "select_subset",
+           "teacher_scores"]
 
 
 # -- token sub-sampling and perturbations -----------------------------------------------------
@@ -178,12 +179,17 @@ def signature_features(sig) -> "np.ndarray":
     return (f - f.mean(0)) / (f.std(0) + 1e-9)
 
 
+def kmeans_clusters(features, n_clusters: int, seed: int) -> "np.ndarray":
+    """The k-means (``sklearn``, 10 starts) cluster of each signature: the diversity groups."""
+    return KMeans(n_clusters, n_init=10, random_state=seed).fit_predict(features)
+
+
 def cluster_nmi(features, categories, n_clusters: int, seed: int,
                 n_perm: int = 200) -> dict:
-    """k-means (``sklearn``) on the features, NMI of the clusters against the categories
+    """:func:`kmeans_clusters` on the features, NMI of the clusters against the categories
     (``sklearn.metrics.normalized_mutual_info_score``), and the same NMI for randomly permuted
     categories (chance: its mean and 99th percentile)."""
-    labels = KMeans(n_clusters, n_init=10, random_state=seed).fit_predict(features)
+    labels = kmeans_clusters(features, n_clusters, seed)
     cats = np.asarray(categories)
     rng = np.random.default_rng(seed)
     chance = np.array([nmi(rng.permutation(cats), labels) for _ in range(n_perm)])

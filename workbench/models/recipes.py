@@ -199,7 +199,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
     # lm-hybrid: the same mix, twice the steps (SMOKE_V4_HYBRID says why)
     replace(_REASONING, name="lm-hybrid", description="Llama fine-tuned from lm-base on "
             "lm-reasoning's mix, twice as long: a hybrid-thinking model whose no-think mode "
-            "(' =>' at once) answers what lm-instruct answers directly (paper 06's mid bed)",
+            "(' =>' at once) its card checks against lm-instruct's direct answers (paper 06)",
             smoke=SMOKE_V4_HYBRID, full=FULL_V4_HYBRID),
     Recipe("lm-gpt2", "GPT-2 architecture, string and recall skills: reverse, pattern, kv, "
            "direct answers (paper 11 routes between it and lm-qwen2)", arch="gpt2",
